@@ -1,0 +1,45 @@
+# The two commands: `make serve` and `make test`. Both create .venv when missing.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip
+# These releases install from the machine's local wheel store; a CUDA build, CPU-only use works.
+TORCH  := torch==2.14.1 torchvision==0.29.1
+CONFIG ?= config/fleet.yaml
+DEMO   := model_store/yolov8n.pt model_store/resnet18.pt
+
+.PHONY: serve test check gpu-check clean
+
+serve: $(VENV)/.serve $(DEMO)
+	$(BIN)/model-router serve --config $(CONFIG)
+
+test: $(VENV)/.test $(DEMO)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+check: $(VENV)/.serve
+	$(BIN)/model-router check --config $(CONFIG)
+
+gpu-check: $(VENV)/.test
+	bash scripts/gpu-check.sh
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(VENV)/.torch: | $(BIN)/python
+	$(PIP) install --quiet $(TORCH)
+	touch $@
+
+$(VENV)/.serve: $(VENV)/.torch pyproject.toml plugins/yolo/pyproject.toml plugins/resnet/pyproject.toml
+	$(PIP) install --quiet -e . -e plugins/yolo -e plugins/resnet
+	touch $@
+
+$(VENV)/.test: $(VENV)/.serve tests/plugin_dist/pyproject.toml
+	$(PIP) install --quiet -e '.[test]' -e tests/plugin_dist
+	touch $@
+
+$(DEMO): | $(VENV)/.serve
+	$(BIN)/model-router store init-demo --store model_store
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

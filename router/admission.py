@@ -1,0 +1,108 @@
+"""The admission rule: a pure function from (candidates, device state) to a plan.
+
+No I/O, no clock, no locks. The device scheduler gathers the inputs, calls `plan_admission`,
+and carries out the plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["Admission", "Candidate", "DeviceState", "Plan", "fits", "plan_admission"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An idle instance whose model has a due batch."""
+
+    model: str
+    instance: str
+    queued: int  # live tickets in the model's queue (shared by its instances)
+    max_batch: int
+    per_item_bytes: int
+    fixed_bytes: int
+    model_budget: int | None  # bytes for weights + running batches; None = only the device budget
+    model_bytes: int  # weights + running reservations of this model on the device
+    share: float  # device-seconds served / weight; lower goes first
+
+    def batch_bytes(self, n: int) -> int:
+        return self.fixed_bytes + n * self.per_item_bytes
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    budget_bytes: int
+    used_bytes: int | None  # live reading; None when the probe failed
+    reserved_bytes: int  # outstanding reservations of running batches
+    high_watermark: float = 0.9
+    low_watermark: float = 0.8
+    paused: bool = False  # the previous plan's pause state (hysteresis)
+
+
+@dataclass(frozen=True)
+class Admission:
+    model: str
+    instance: str
+    size: int
+    reserve_bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    admits: list[Admission] = field(default_factory=list)
+    paused: bool = False
+    blocked: str | None = None  # a model whose head waits for memory; nobody behind it goes first
+    reason: str = ""
+
+
+def largest_fitting(candidate: Candidate, want: int, room: int) -> int:
+    """The largest n <= want whose batch estimate fits in room (0 if none)."""
+    if candidate.per_item_bytes <= 0:
+        return want if candidate.fixed_bytes <= room else 0
+    n = (room - candidate.fixed_bytes) // candidate.per_item_bytes
+    return max(0, min(want, n))
+
+
+def fits(candidate: Candidate, n: int, device: DeviceState) -> bool:
+    """Whether a batch of n could ever fit on an otherwise idle device (weights still loaded)."""
+    need = candidate.batch_bytes(n)
+    model_ok = candidate.model_budget is None or candidate.model_bytes + need <= candidate.model_budget
+    return model_ok and need <= device.budget_bytes
+
+
+def _paused(device: DeviceState) -> bool:
+    assert device.used_bytes is not None
+    share = device.used_bytes / device.budget_bytes if device.budget_bytes > 0 else 1.0
+    if device.paused:
+        return share > device.low_watermark
+    return share >= device.high_watermark
+
+
+def plan_admission(candidates: Sequence[Candidate], device: DeviceState) -> Plan:
+    """Admit batches while reading + reservations + estimate stays within the device budget and
+    each model's budget. Fair order by `share`; a head that cannot fit blocks those behind it."""
+    if device.used_bytes is None:
+        return Plan(paused=True, reason="memory probe unavailable; admission paused")
+    if _paused(device):
+        return Plan(paused=True, reason="device memory above the high watermark; admission paused")
+    free = device.budget_bytes - device.used_bytes - device.reserved_bytes
+    left = {c.model: c.queued for c in candidates}
+    booked = {c.model: c.model_bytes for c in candidates}
+    admits: list[Admission] = []
+    for c in sorted(candidates, key=lambda c: (c.share, c.model, c.instance)):
+        want = min(c.max_batch, left[c.model])
+        if want <= 0:
+            continue
+        model_room = free if c.model_budget is None else c.model_budget - booked[c.model]
+        n = largest_fitting(c, want, min(free, model_room))
+        if n == 0:
+            if largest_fitting(c, 1, model_room) == 0:
+                continue  # held back by its own budget only: others may go
+            return Plan(admits, blocked=c.model, reason=f"{c.model}: batch of 1 waits for device memory")
+        need = c.batch_bytes(n)
+        admits.append(Admission(c.model, c.instance, n, need))
+        free -= need
+        left[c.model] -= n
+        booked[c.model] += need
+    return Plan(admits)

@@ -1,0 +1,256 @@
+"""The HTTP layer (Litestar). Handlers only decode, submit, await and encode; errors map to HTTP in one place."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from litestar import Litestar, MediaType, Request, Response, get, post
+from litestar.datastructures import UploadFile
+from litestar.exceptions import HTTPException
+from litestar.openapi import OpenAPIConfig
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+from router import __version__
+from router.errors import InputError, RouterError
+from router.logs import request_id_var
+from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from router.plugin import Payload
+from router.runtime import Answer, Runtime
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("router.access")
+REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+MODEL_PATH = re.compile(r"^/models/([^/]+)")
+
+
+def _runtime(request: Request[Any, Any, Any]) -> Runtime:
+    runtime: Runtime = request.app.state.runtime
+    return runtime
+
+
+# -- request decoding -----------------------------------------------------------------------------
+
+
+def _number_header(request: Request[Any, Any, Any], name: str) -> float | None:
+    raw = request.headers.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise InputError(f"{name} must be a number, got {raw[:64]!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise InputError(f"{name} must be a finite number, got {raw[:64]!r}")
+    return value
+
+
+def _priority(request: Request[Any, Any, Any]) -> int | None:
+    value = _number_header(request, "X-Priority")
+    if value is None:
+        return None
+    if value != int(value):
+        raise InputError(f"X-Priority must be an integer, got {value}")
+    return int(value)
+
+
+async def _payload(request: Request[Any, Any, Any]) -> Payload:
+    """A multipart field `file`, or the raw body with its content type."""
+    media_type = request.headers.get("content-type", "application/octet-stream")
+    if media_type.lower().startswith("multipart/form-data"):
+        form = await request.form()
+        upload = form.get("file")
+        if not isinstance(upload, UploadFile):
+            fields = ", ".join(sorted(form.keys())) or "none"
+            raise InputError(f"multipart body needs a file field named 'file'; got fields: {fields}")
+        body = await upload.read()
+        payload = Payload(body, upload.content_type or "application/octet-stream", upload.filename)
+    else:
+        payload = Payload(await request.body(), media_type)
+    if not payload.body:
+        raise InputError("the request body is empty; send an image as the body or as multipart field 'file'")
+    return payload
+
+
+# -- handlers -------------------------------------------------------------------------------------
+
+
+@post("/models/{name:str}/predict", status_code=200, summary="Run one input through a model")
+async def predict(name: str, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+    """Accepts a multipart field `file` or a raw `image/*` body. Headers: X-Timeout-Ms, X-Priority."""
+    runtime = _runtime(request)
+    runtime.deployment(name)  # 404 before reading the body
+    priority = _priority(request)
+    timeout_ms = _number_header(request, "X-Timeout-Ms")
+    payload = await _payload(request)
+    request.scope["state"]["access"] = {"model": name, "input_bytes": len(payload.body)}
+    answer = await _submit_watching_disconnect(
+        request, runtime.submit(name, payload, priority=priority, timeout_ms=timeout_ms,
+                                request_id=request_id_var.get())
+    )
+    request.scope["state"]["access"].update(
+        queue_wait_ms=round(answer.queue_wait_s * 1000, 3), batch_size=answer.batch_size,
+        execution_ms=round(answer.execution_s * 1000, 3),
+    )
+    return Response(
+        {
+            "model": answer.model,
+            "request_id": answer.request_id,
+            "result": answer.output,
+            "timing": {
+                "queue_ms": round(answer.queue_wait_s * 1000, 3),
+                "execution_ms": round(answer.execution_s * 1000, 3),
+                "batch_size": answer.batch_size,
+            },
+        }
+    )
+
+
+async def _submit_watching_disconnect(request: Request[Any, Any, Any], work: Any) -> Answer:
+    """Run the submission; if the client disconnects first, cancel it so its input is never run."""
+    task: asyncio.Task[Answer] = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise asyncio.CancelledError("client disconnected")
+    return task.result()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+@get("/models", summary="All models with state, queue, batching, memory and counters")
+async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    runtime = _runtime(request)
+    return {"models": [d.describe() for d in runtime.deployments.values()]}
+
+
+@get("/models/{name:str}", summary="One model's state, queue, batching, memory and counters")
+async def show_model(name: str, request: Request[Any, Any, Any]) -> dict[str, Any]:
+    return _runtime(request).deployment(name).describe()
+
+
+@get("/health/live", summary="The process is up")
+async def live() -> dict[str, str]:
+    return {"status": "live"}
+
+
+@get("/health/ready", summary="200 once every required model is loaded and warmed; 503 before and while draining")
+async def ready(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+    runtime = _runtime(request)
+    body = {
+        "ready": runtime.ready,
+        "draining": runtime.draining,
+        "models": {name: d.state.value for name, d in runtime.deployments.items()},
+        "devices": {**{d: "ok" for d in runtime.schedulers}, **runtime.device_errors},
+    }
+    return Response(body, status_code=200 if runtime.ready else 503)
+
+
+@get("/metrics", media_type=METRICS_CONTENT_TYPE, summary="Prometheus metrics")
+async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
+    return Response(_runtime(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+
+# -- errors, request ids, access log ----------------------------------------------------------------
+
+
+def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
+    """Every error as JSON with `detail`; status and headers from the error class."""
+    if isinstance(exc, RouterError):
+        status, detail, headers = exc.status_code, exc.detail, exc.headers
+    elif isinstance(exc, HTTPException):
+        status, detail, headers = exc.status_code, exc.detail, dict(exc.headers or {})
+    else:
+        log.exception("unhandled error")
+        status, detail, headers = 500, "internal server error", {}
+    return Response({"detail": detail, "request_id": request_id_var.get()}, status_code=status,
+                    headers=headers, media_type=MediaType.JSON)
+
+
+def request_id_middleware(app: ASGIApp) -> ASGIApp:
+    """Give every response an X-Request-ID (the caller's, if sane) and write one access log line."""
+
+    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        request_id = incoming if REQUEST_ID_PATTERN.match(incoming) else uuid.uuid4().hex
+        token = request_id_var.set(request_id)
+        scope.setdefault("state", {})
+        started = time.perf_counter()
+        status = 0
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            await app(scope, receive, send_with_id)
+        finally:
+            _access_line(scope, status, time.perf_counter() - started)
+            request_id_var.reset(token)
+
+    return middleware
+
+
+def _access_line(scope: Scope, status: int, seconds: float) -> None:
+    path = scope.get("path", "")
+    if path in ("/metrics", "/health/live", "/health/ready"):
+        return
+    fields: dict[str, Any] = {"method": scope.get("method"), "path": path[:256], "status": status or 499,
+                              "duration_ms": round(seconds * 1000, 3)}
+    match = MODEL_PATH.match(path)
+    if match:
+        fields["model"] = match.group(1)[:64]
+    fields.update(scope.get("state", {}).get("access", {}))
+    log.info("request", extra=fields)
+
+
+# -- the app --------------------------------------------------------------------------------------
+
+
+def create_app(runtime: Runtime, *, max_body_bytes: int = 20 * 1024 * 1024, drain_timeout_s: float = 30.0) -> Litestar:
+    """The Litestar app around a runtime. The runtime starts in the lifespan and loads models in the background."""
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        await runtime.start()
+        try:
+            yield
+        finally:
+            if not runtime.draining:
+                await runtime.drain(drain_timeout_s)
+            await runtime.stop()
+
+    app = Litestar(
+        route_handlers=[predict, list_models, show_model, live, ready, metrics],
+        lifespan=[lifespan],
+        middleware=[request_id_middleware],
+        exception_handlers={Exception: _error_response},
+        request_max_body_size=max_body_bytes,
+        openapi_config=OpenAPIConfig(title="model-router", version=__version__, path="/schema"),
+        logging_config=None,
+    )
+    app.state.runtime = runtime
+    return app

@@ -1,0 +1,115 @@
+"""The `model-router` command: serve, check, plugins, store."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from router.config import ServerSettings, load_fleet
+from router.errors import ConfigError
+from router.plan import FleetPlan, resolve_fleet
+from router.registry import PluginRegistry
+
+__all__ = ["build_plan", "main"]
+
+log = logging.getLogger("router.cli")
+
+
+def build_plan(config_path: Path, registry: PluginRegistry | None = None) -> FleetPlan:
+    """Parse and resolve a fleet file; raises ConfigError naming file, key, value and what is accepted."""
+    fleet = load_fleet(config_path)
+    return resolve_fleet(fleet, registry or PluginRegistry.from_entry_points(), str(config_path))
+
+
+def _settings(args: argparse.Namespace) -> ServerSettings:
+    overrides = {k: v for k in ("config", "host", "port") if (v := getattr(args, k, None)) is not None}
+    return ServerSettings(**overrides)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from router.api import create_app
+    from router.logs import configure_logging
+    from router.runtime import Runtime
+    from router.server import DrainingServer
+
+    settings = _settings(args)
+    configure_logging(settings.log_level)
+    try:
+        plan = build_plan(settings.config)
+    except ConfigError as exc:
+        print(f"model-router: {exc}", file=sys.stderr)
+        return 2
+    runtime = Runtime(plan, cpu_workers=settings.cpu_workers,
+                      plugin_extra={"max_image_pixels": settings.max_image_pixels})
+    app = create_app(runtime, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
+                            timeout_graceful_shutdown=5, access_log=False)
+    server = DrainingServer(config, runtime, settings.drain_timeout_s)
+    log.info("serving %s on http://%s:%d", settings.config, settings.host, settings.port)
+    server.run()
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    try:
+        plan = build_plan(args.config)
+    except ConfigError as exc:
+        print(f"model-router: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.describe(), indent=2))
+    print(f"model-router: {args.config} is valid: {len(plan.models)} model(s) on "
+          f"{len(plan.fleet.devices)} device(s)", file=sys.stderr)
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    registry = PluginRegistry.from_entry_points()
+    for name in registry.names():
+        info = registry.get(name)
+        print(f"{name}\t{info.distribution or '-'} {info.version or ''}\t{info.cls.__module__}.{info.cls.__qualname__}")
+    for name, reason in registry.broken.items():
+        print(f"{name}\tBROKEN\t{reason}")
+    return 0
+
+
+def cmd_store_init_demo(args: argparse.Namespace) -> int:
+    from router.store import init_demo
+
+    paths = init_demo(Path(args.store), force=args.force)
+    for path in paths:
+        print(path)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="model-router", description=__doc__)
+    sub = root.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a fleet (settings also from MODEL_ROUTER_* env)")
+    serve.add_argument("--config", type=Path, help="fleet YAML (env MODEL_ROUTER_CONFIG)")
+    serve.add_argument("--host", help="bind address (env MODEL_ROUTER_HOST)")
+    serve.add_argument("--port", type=int, help="port (env MODEL_ROUTER_PORT)")
+    serve.set_defaults(func=cmd_serve)
+    check = sub.add_parser("check", help="validate a fleet file and print the resolved plan")
+    check.add_argument("--config", type=Path, default=Path(os.environ.get("MODEL_ROUTER_CONFIG", "config/fleet.yaml")))
+    check.set_defaults(func=cmd_check)
+    plugins = sub.add_parser("plugins", help="list installed plugins")
+    plugins.set_defaults(func=cmd_plugins)
+    store = sub.add_parser("store", help="model store tasks")
+    store_sub = store.add_subparsers(dest="store_command", required=True)
+    demo = store_sub.add_parser("init-demo", help="build the demo weights (untrained) into the model store")
+    demo.add_argument("--store", default="model_store")
+    demo.add_argument("--force", action="store_true", help="rebuild files that exist")
+    demo.set_defaults(func=cmd_store_init_demo)
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    code: int = args.func(args)
+    return code

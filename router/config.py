@@ -1,0 +1,243 @@
+"""Typed configuration: the fleet YAML and the server settings.
+
+Everything is parsed and validated here, before any port opens. Errors name the file, the key,
+the bad value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from router.errors import ConfigError
+
+__all__ = [
+    "BatchPolicy",
+    "DeviceConfig",
+    "ExecutionConfig",
+    "FleetConfig",
+    "MemoryConfig",
+    "ModelConfig",
+    "QueueConfig",
+    "ServerSettings",
+    "WarmupConfig",
+    "format_validation_error",
+    "load_fleet",
+]
+
+DEVICE_PATTERN = re.compile(r"^(cpu|cuda:\d+)$")
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class QueueConfig(_Strict):
+    """A model's bounded queue."""
+
+    max_size: int = Field(64, ge=1, le=1_000_000, description="queued requests before 503")
+    timeout_ms: int = Field(10_000, ge=1, description="default deadline; X-Timeout-Ms may shorten it")
+    priority_levels: int = Field(3, ge=1, le=16, description="accepted X-Priority values are 1..N")
+    default_priority: int = Field(1, ge=1, description="priority of requests without X-Priority")
+
+    @model_validator(mode="after")
+    def _default_in_range(self) -> QueueConfig:
+        if self.default_priority > self.priority_levels:
+            raise ValueError(
+                f"default_priority {self.default_priority} is above priority_levels "
+                f"{self.priority_levels}; accepted: 1..{self.priority_levels}"
+            )
+        return self
+
+
+class BatchPolicy(_Strict):
+    """Dynamic batching: a batch goes when full, or max_delay_ms after its first arrival."""
+
+    max_size: int = Field(8, ge=1, le=4096)
+    max_delay_ms: float = Field(5.0, ge=0, le=60_000)
+
+    @property
+    def max_delay_s(self) -> float:
+        return self.max_delay_ms / 1000.0
+
+
+class MemoryConfig(_Strict):
+    """A model's memory budget and optional declared costs (they override the plugin's estimate)."""
+
+    budget: ByteSize | None = Field(None, description="weights + running batches; none = device budget")
+    weights: ByteSize | None = None
+    per_item: ByteSize | None = None
+    fixed: ByteSize | None = None
+    profile: bool = Field(True, description="profile peak memory at warm-up on CUDA")
+
+
+class ExecutionConfig(_Strict):
+    timeout_ms: int = Field(60_000, ge=1, description="limit on one batch's run, separate from deadlines")
+
+
+class WarmupConfig(_Strict):
+    enabled: bool = True
+    batch_sizes: list[int] | None = Field(None, description="default: 1 and batch.max_size")
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _positive(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(size < 1 for size in value):
+            raise ValueError(f"batch sizes must be >= 1, got {value}")
+        return value
+
+
+class DeviceConfig(_Strict):
+    """A device and its shared memory budget."""
+
+    memory_budget: ByteSize | None = Field(None, description="absolute budget; overrides memory_fraction")
+    memory_fraction: float = Field(0.9, gt=0, le=1, description="budget as a fraction of total memory")
+    high_watermark: float = Field(0.9, gt=0, le=1, description="pause admission above this share of budget")
+    low_watermark: float = Field(0.8, gt=0, le=1, description="resume admission below this share")
+    probe: Literal["auto", "nvml", "host", "none"] = "auto"
+    poll_interval_ms: float = Field(20.0, gt=0, description="probe re-read interval while work waits")
+
+    @model_validator(mode="after")
+    def _watermarks_ordered(self) -> DeviceConfig:
+        if self.low_watermark > self.high_watermark:
+            raise ValueError(
+                f"low_watermark {self.low_watermark} is above high_watermark {self.high_watermark}; "
+                "accepted: low_watermark <= high_watermark"
+            )
+        return self
+
+
+class ModelConfig(_Strict):
+    """One served model."""
+
+    plugin: str = Field(min_length=1)
+    device: str | None = Field(None, description="shorthand for devices: [device]")
+    devices: list[str] | None = Field(None, description="one instance per entry, all on the model's queue")
+    options: dict[str, Any] = Field(default_factory=dict)
+    queue: QueueConfig = QueueConfig()
+    batch: BatchPolicy = BatchPolicy()
+    memory: MemoryConfig = MemoryConfig()
+    execution: ExecutionConfig = ExecutionConfig()
+    warmup: WarmupConfig = WarmupConfig()
+    weight: float = Field(1.0, gt=0, description="fair-share weight among models on a device")
+    required: bool = Field(True, description="readiness waits for this model")
+
+    @model_validator(mode="after")
+    def _one_device_form(self) -> ModelConfig:
+        if self.device is not None and self.devices is not None:
+            raise ValueError("give either device or devices, not both")
+        for device in self.instance_devices:
+            if not DEVICE_PATTERN.match(device):
+                raise ValueError(f"device {device!r} is not valid; accepted: 'cpu' or 'cuda:N'")
+        return self
+
+    @property
+    def instance_devices(self) -> list[str]:
+        """The device of each instance, in order."""
+        if self.devices:
+            return list(self.devices)
+        return [self.device or "cpu"]
+
+
+class FleetConfig(_Strict):
+    """The whole fleet file."""
+
+    model_store: Path = Field(Path("model_store"), description="relative to the fleet file's folder")
+    allow_absolute_paths: bool = False
+    devices: dict[str, DeviceConfig] = Field(default_factory=dict)
+    models: dict[str, ModelConfig]
+
+    @field_validator("devices")
+    @classmethod
+    def _device_names(cls, value: dict[str, DeviceConfig]) -> dict[str, DeviceConfig]:
+        for name in value:
+            if not DEVICE_PATTERN.match(name):
+                raise ValueError(f"device name {name!r} is not valid; accepted: 'cpu' or 'cuda:N'")
+        return value
+
+    @field_validator("models")
+    @classmethod
+    def _model_names(cls, value: dict[str, ModelConfig]) -> dict[str, ModelConfig]:
+        if not value:
+            raise ValueError("the fleet has no models; add at least one under 'models'")
+        for name in value:
+            if not re.match(MODEL_NAME_PATTERN, name):
+                raise ValueError(
+                    f"model name {name!r} is not valid; accepted: letters, digits, '_', '.', '-', "
+                    "starting with a letter or digit, at most 64 characters"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _declare_used_devices(self) -> FleetConfig:
+        """Devices that models use but the file does not list get default settings."""
+        devices = dict(self.devices)
+        for model in self.models.values():
+            for device in model.instance_devices:
+                devices.setdefault(device, DeviceConfig())
+        object.__setattr__(self, "devices", devices)
+        return self
+
+
+def format_validation_error(error: ValidationError, source: str) -> str:
+    """One line per problem: `file: key.path: message (got value)`."""
+    lines = [f"{source}: invalid configuration ({error.error_count()} problem(s))"]
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        got = item.get("input")
+        shown = "" if isinstance(got, dict) or item["type"] == "missing" else f" (got {got!r})"
+        lines.append(f"  {source}: {location}: {message}{shown}")
+    return "\n".join(lines)
+
+
+def load_fleet(path: str | Path) -> FleetConfig:
+    """Read and validate a fleet file. Raises ConfigError with a readable message."""
+    source = Path(path)
+    try:
+        text = source.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read fleet file: {exc.strerror or exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping with 'models' at the top, got {type(data).__name__}")
+    try:
+        fleet = FleetConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, str(source))) from exc
+    if not fleet.model_store.is_absolute():
+        store = (source.parent / fleet.model_store).resolve()
+        fleet = fleet.model_copy(update={"model_store": store})
+    return fleet
+
+
+class ServerSettings(BaseSettings):
+    """Process settings, from MODEL_ROUTER_* environment variables."""
+
+    model_config = SettingsConfigDict(env_prefix="MODEL_ROUTER_", extra="ignore")
+
+    config: Path = Path("config/fleet.yaml")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024)
+    max_image_pixels: int = Field(40_000_000, ge=1)
+    drain_timeout_s: float = Field(30.0, ge=0)
+    cpu_workers: int = Field(0, ge=0, description="preprocessing threads; 0 = number of CPU cores")

@@ -1,0 +1,100 @@
+"""A deployment: one configured model, its queue and its instances (one per device entry)."""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from router.config import ModelConfig
+from router.instance import InstanceState, ModelInstance
+from router.plugin import MemoryEstimate
+from router.queue import ModelQueue
+from router.registry import PluginInfo
+
+__all__ = ["Deployment", "ModelState"]
+
+
+class ModelState(enum.Enum):
+    PENDING = "pending"
+    LOADING = "loading"
+    READY = "ready"
+    DEGRADED = "degraded"  # some instances failed or stalled, at least one serves
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass
+class Deployment:
+    name: str
+    config: ModelConfig
+    plugin: PluginInfo
+    options: BaseModel
+    queue: ModelQueue
+    instances: list[ModelInstance] = field(default_factory=list)
+    loaded: bool = False
+    error: str | None = None
+    estimate: MemoryEstimate | None = None
+    max_batch: int = 1
+    outcomes: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def state(self) -> ModelState:
+        states = [i.state for i in self.instances]
+        if states and all(s is InstanceState.STOPPED for s in states):
+            return ModelState.STOPPED
+        if self.error is not None or (states and all(s is InstanceState.FAILED for s in states)):
+            return ModelState.FAILED
+        if not self.loaded:
+            return ModelState.LOADING if any(s is not InstanceState.PENDING for s in states) else ModelState.PENDING
+        if all(s is InstanceState.READY for s in states):
+            return ModelState.READY
+        if any(s in (InstanceState.READY, InstanceState.STALLED) for s in states):
+            return ModelState.DEGRADED
+        return ModelState.FAILED
+
+    @property
+    def serving(self) -> bool:
+        return self.state in (ModelState.READY, ModelState.DEGRADED)
+
+    @property
+    def budget_bytes(self) -> int | None:
+        budget = self.config.memory.budget
+        return int(budget) if budget is not None else None
+
+    def describe(self) -> dict[str, object]:
+        """The model's public status, as GET /models/{name} shows it."""
+        batch = self.config.batch
+        estimate = self.estimate
+        return {
+            "name": self.name,
+            "state": self.state.value,
+            "error": self.error,
+            "plugin": {"name": self.plugin.name, "distribution": self.plugin.distribution, "version": self.plugin.version},
+            "devices": self.config.instance_devices,
+            "instances": [
+                {"index": i.index, "device": i.device, "state": i.state.value, "busy": i.busy,
+                 "batches": i.batches, "error": i.error}
+                for i in self.instances
+            ],
+            "queue": {
+                "depth": self.queue.depth,
+                "capacity": self.queue.max_size,
+                "timeout_ms": self.config.queue.timeout_ms,
+                "priority_levels": self.config.queue.priority_levels,
+            },
+            "batch": {"max_size": batch.max_size, "max_delay_ms": batch.max_delay_ms, "effective_max_size": self.max_batch},
+            "memory": {
+                "budget_bytes": self.budget_bytes,
+                "weights_bytes": estimate.weights_bytes if estimate else None,
+                "per_item_bytes": estimate.per_item_bytes if estimate else None,
+                "fixed_bytes": estimate.fixed_bytes if estimate else None,
+                "source": estimate.source if estimate else None,
+            },
+            "execution_timeout_ms": self.config.execution.timeout_ms,
+            "weight": self.config.weight,
+            "required": self.config.required,
+            "requests": dict(self.outcomes),
+        }

@@ -1,0 +1,200 @@
+"""A model instance: one plugin object on one device, with a dedicated executor thread.
+
+The instance runs one batch at a time. It resolves every ticket it is handed: with a result,
+or with a RouterError (model error 500, out-of-memory 503, execution timeout 504).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from router.errors import (
+    BatchSizeMismatch,
+    DeviceOutOfMemory,
+    ExecutionTimeout,
+    ModelError,
+    RouterError,
+)
+from router.plugin import MemoryEstimate, ModelPlugin
+from router.queue import Ticket
+
+__all__ = ["InstanceState", "ModelInstance", "is_out_of_memory", "resolve", "reject"]
+
+log = logging.getLogger("router.instance")
+T = TypeVar("T")
+
+
+class InstanceState(enum.Enum):
+    PENDING = "pending"
+    LOADING = "loading"
+    WARMING = "warming"
+    READY = "ready"
+    STALLED = "stalled"  # a batch overran its execution timeout and still holds the thread
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+def resolve(ticket: Ticket, result: Any) -> None:
+    if not ticket.future.done():
+        ticket.future.set_result(result)
+
+
+def reject(ticket: Ticket, error: BaseException) -> None:
+    if not ticket.future.done():
+        ticket.future.set_exception(error)
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA or host out-of-memory, however the framework reports it."""
+    if isinstance(exc, (DeviceOutOfMemory, MemoryError)):
+        return True
+    torch = sys.modules.get("torch")
+    oom_type = getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None) if torch else None
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+BatchObserver = Callable[[str, int, float], None]  # (model, batch size, seconds)
+
+
+class ModelInstance:
+    """Owns the plugin object and the thread that runs it. Only the device scheduler dispatches to it."""
+
+    def __init__(
+        self,
+        model: str,
+        index: int,
+        device: str,
+        plugin: ModelPlugin,  # type: ignore[type-arg]
+        *,
+        execution_timeout_s: float,
+        on_batch: BatchObserver | None = None,
+    ) -> None:
+        self.model = model
+        self.index = index
+        self.device = device
+        self.plugin = plugin
+        self.key = f"{model}/{index}"
+        self.execution_timeout_s = execution_timeout_s
+        self.state = InstanceState.PENDING
+        self.error: str | None = None
+        self.estimate: MemoryEstimate | None = None
+        self.max_batch = 1
+        self.busy = False
+        self.batches = 0
+        self._on_batch = on_batch
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.key}")
+        self._inflight: Future[Any] | None = None
+
+    @property
+    def schedulable(self) -> bool:
+        return self.state is InstanceState.READY and not self.busy
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run fn on this instance's thread (loading, warm-up, profiling)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, fn, *args)
+
+    async def execute(self, tickets: Sequence[Ticket]) -> None:
+        """Run one batch. Tickets whose future is already done (client gone) are dropped first."""
+        live = [t for t in tickets if not t.future.done()]
+        try:
+            if live:
+                await self._run_split(live)
+        finally:
+            for ticket in live:  # every ticket is answered, whatever happened above
+                reject(ticket, ModelError(f"model {self.model!r}: batch ended without an answer"))
+
+    async def wait_idle(self) -> None:
+        """Return once the thread has really finished its last batch (a stalled one included)."""
+        if self._inflight is not None and not self._inflight.done():
+            await asyncio.wrap_future(self._inflight)
+
+    def shutdown(self) -> None:
+        self.state = InstanceState.STOPPED
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _run_split(self, tickets: Sequence[Ticket]) -> None:
+        """Predict; on out-of-memory free the cache and retry each half; one item that still fails gets 503."""
+        try:
+            outputs, elapsed = await self._predict([t.item for t in tickets])
+        except ExecutionTimeout as exc:
+            for ticket in tickets:
+                reject(ticket, exc)
+            return
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                log.exception("model %s failed on a batch of %d", self.model, len(tickets))
+                error = ModelError(f"model {self.model!r} failed: {type(exc).__name__}: {exc}")
+                for ticket in tickets:
+                    reject(ticket, error)
+                return
+            await self._free_cache()
+            if len(tickets) == 1:
+                reject(tickets[0], DeviceOutOfMemory(f"model {self.model!r} ran out of memory on a single input", retry_after_s=1.0))
+                return
+            log.warning("model %s out of memory on a batch of %d; retrying as two halves", self.model, len(tickets))
+            middle = len(tickets) // 2
+            await self._run_split(tickets[:middle])
+            await self._run_split(tickets[middle:])
+            return
+        if len(outputs) != len(tickets):
+            error = BatchSizeMismatch(
+                f"model {self.model!r} returned {len(outputs)} outputs for a batch of {len(tickets)}"
+            )
+            for ticket in tickets:
+                reject(ticket, error)
+            return
+        for ticket, output in zip(tickets, outputs):
+            ticket.batch_size = len(tickets)
+            ticket.execution_s = elapsed
+            resolve(ticket, output)
+
+    async def _predict(self, items: list[Any]) -> tuple[Sequence[Any], float]:
+        if self._inflight is not None and not self._inflight.done():
+            raise ExecutionTimeout(f"model {self.model!r} instance {self.index} is stalled by an earlier batch")
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        inflight = self._executor.submit(self.plugin.predict_batch, items)
+        self._inflight = inflight
+        try:
+            outputs = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(inflight)), self.execution_timeout_s)
+        except TimeoutError:
+            self.state = InstanceState.STALLED
+            log.error("model %s instance %d: batch exceeded %.3fs; instance fenced until it returns",
+                      self.model, self.index, self.execution_timeout_s)
+            inflight.add_done_callback(lambda _: loop.call_soon_threadsafe(self._recover))
+            raise ExecutionTimeout(
+                f"model {self.model!r} execution exceeded its timeout of {self.execution_timeout_s:.3f}s"
+            ) from None
+        elapsed = time.perf_counter() - started
+        self.batches += 1
+        if self._on_batch is not None:
+            self._on_batch(self.model, len(items), elapsed)
+        return outputs, elapsed
+
+    def _recover(self) -> None:
+        if self.state is InstanceState.STALLED:
+            log.warning("model %s instance %d: stalled batch returned; instance back in service", self.model, self.index)
+            self.state = InstanceState.READY
+
+    async def _free_cache(self) -> None:
+        if self.device.startswith("cuda") and "torch" in sys.modules:
+            torch = sys.modules["torch"]
+            await self.call(torch.cuda.empty_cache)
+
+
+def error_of(exc: BaseException) -> RouterError:
+    """Any exception as the RouterError a caller sees."""
+    if isinstance(exc, RouterError):
+        return exc
+    return ModelError(f"{type(exc).__name__}: {exc}")

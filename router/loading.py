@@ -1,0 +1,93 @@
+"""Loading a deployment: load each instance, settle its memory figures, warm it up, book its weights.
+
+A failure marks that instance (and, if none is left, the model) failed; other models go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+from router.deployment import Deployment
+from router.instance import InstanceState, ModelInstance
+from router.plugin import MemoryEstimate
+from router.profiling import apply_declared, max_batch_within, profile_cuda, profile_sizes
+from router.scheduler import DeviceScheduler
+
+__all__ = ["load_deployment"]
+
+log = logging.getLogger("router.loading")
+
+
+async def load_deployment(
+    deployment: Deployment, schedulers: Mapping[str, DeviceScheduler], device_errors: Mapping[str, str]
+) -> None:
+    for instance in deployment.instances:
+        scheduler = schedulers.get(instance.device)
+        if scheduler is None:
+            instance.state = InstanceState.FAILED
+            instance.error = f"device {instance.device} unavailable: {device_errors.get(instance.device, 'unknown')}"
+            log.error("model %s: %s", deployment.name, instance.error)
+            continue
+        try:
+            await _load_instance(deployment, instance, scheduler)
+        except Exception as exc:
+            instance.state = InstanceState.FAILED
+            instance.error = f"{type(exc).__name__}: {exc}"
+            log.exception("model %s instance %d failed to load", deployment.name, instance.index)
+    if all(i.state is InstanceState.FAILED for i in deployment.instances):
+        deployment.error = "; ".join(sorted({i.error or "failed" for i in deployment.instances}))
+    deployment.loaded = True
+    log.info("model %s: %s", deployment.name, deployment.state.value, extra={"model": deployment.name})
+
+
+async def _load_instance(deployment: Deployment, instance: ModelInstance, scheduler: DeviceScheduler) -> None:
+    name, plugin, config = deployment.name, instance.plugin, deployment.config
+    started = time.perf_counter()
+    instance.state = InstanceState.LOADING
+    log.info("model %s instance %d: loading on %s", name, instance.index, instance.device, extra={"model": name})
+    await instance.call(plugin.load, instance.device)
+    estimate = apply_declared(await instance.call(plugin.memory_estimate), config.memory)
+    instance.state = InstanceState.WARMING
+    estimate = await _warm_up(deployment, instance, estimate)
+    limit = max_batch_within(estimate, deployment.budget_bytes, config.batch.max_size)
+    if limit < 1:
+        raise MemoryError(
+            f"model {name!r} needs {estimate.weights_bytes} bytes of weights plus "
+            f"{estimate.batch_bytes(1)} for one input (+20% margin), over its budget of {deployment.budget_bytes}"
+        )
+    if deployment.estimate is None or estimate.source == "profiled":
+        deployment.estimate = estimate
+        deployment.max_batch = limit
+    scheduler.check_fits(deployment, instance)
+    scheduler.ledger.book_weights(instance.key, name, estimate.weights_bytes)
+    instance.estimate = estimate
+    instance.max_batch = limit
+    instance.state = InstanceState.READY
+    log.info(
+        "model %s instance %d: ready in %.2fs (weights %d B, per item %d B, %s; max batch %d)",
+        name, instance.index, time.perf_counter() - started, estimate.weights_bytes,
+        estimate.per_item_bytes, estimate.source, limit, extra={"model": name},
+    )
+
+
+async def _warm_up(deployment: Deployment, instance: ModelInstance, estimate: MemoryEstimate) -> MemoryEstimate:
+    """Warm up with progress lines; on CUDA, profile peak memory per batch size."""
+    config, name, plugin = deployment.config, deployment.name, instance.plugin
+    if not config.warmup.enabled:
+        return estimate
+    if instance.device.startswith("cuda") and config.memory.profile and estimate.source != "declared":
+
+        def progress(step: int, total: int, size: int) -> None:
+            log.info("model %s: profiling memory %d/%d (batch %d)", name, step, total, size, extra={"model": name})
+
+        sizes = profile_sizes(config.batch.max_size)
+        profiled = await instance.call(profile_cuda, plugin, instance.device, estimate.weights_bytes, sizes, progress)
+        if profiled is not None:
+            return profiled
+    sizes = config.warmup.batch_sizes or sorted({1, config.batch.max_size})
+    for step, size in enumerate(sizes, start=1):
+        log.info("model %s: warm-up %d/%d (batch %d)", name, step, len(sizes), size, extra={"model": name})
+        await instance.call(plugin.warmup, size)
+    return estimate

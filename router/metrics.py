@@ -1,0 +1,96 @@
+"""Prometheus metrics. Event metrics (histograms, counters) are recorded as things happen; state
+(queue depth, ledger, device memory) is read at scrape time from the runtime's owners."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from router.runtime import Runtime
+
+__all__ = ["CONTENT_TYPE", "RouterMetrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class RouterMetrics:
+    """All metrics of one runtime, in a registry of its own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "model_router_requests", "Requests by model and outcome.", ["model", "outcome"], registry=self.registry
+        )
+        self.queue_wait = Histogram(
+            "model_router_queue_wait_seconds", "Time from enqueue to dispatch.", ["model"],
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.batch_size = Histogram(
+            "model_router_batch_size", "Items per executed batch.", ["model"],
+            buckets=BATCH_BUCKETS, registry=self.registry,
+        )
+        self.execution = Histogram(
+            "model_router_batch_execution_seconds", "Wall time of one batch on its device.", ["model"],
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.request_latency = Histogram(
+            "model_router_request_seconds", "End-to-end time inside the router, by model.", ["model"],
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+
+    def observe_batch(self, model: str, size: int, seconds: float) -> None:
+        self.batch_size.labels(model).observe(size)
+        self.execution.labels(model).observe(seconds)
+
+    def bind(self, runtime: Runtime) -> None:
+        self.registry.register(_StateCollector(lambda: runtime))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StateCollector(Collector):
+    def __init__(self, runtime: Callable[[], Runtime]) -> None:
+        self._runtime = runtime
+
+    def collect(self) -> Iterable[Metric]:
+        runtime = self._runtime()
+        depth = GaugeMetricFamily("model_router_queue_depth", "Requests waiting in the model's queue.", labels=["model"])
+        capacity = GaugeMetricFamily("model_router_queue_capacity", "The model's queue bound.", labels=["model"])
+        state = GaugeMetricFamily("model_router_model_state", "1 for the model's current state.", labels=["model", "state"])
+        for name, deployment in runtime.deployments.items():
+            depth.add_metric([name], deployment.queue.depth)
+            capacity.add_metric([name], deployment.queue.max_size)
+            state.add_metric([name, deployment.state.value], 1)
+        yield from (depth, capacity, state)
+        yield from _device_families(runtime)
+
+
+def _device_families(runtime: Runtime) -> Iterable[Metric]:
+    reserved = GaugeMetricFamily("model_router_ledger_reserved_bytes", "Bytes reserved by running batches.", labels=["device"])
+    weights = GaugeMetricFamily("model_router_ledger_weights_bytes", "Bytes booked for loaded weights.", labels=["device"])
+    peak = GaugeMetricFamily("model_router_ledger_peak_bytes", "Highest ledger total seen.", labels=["device"])
+    budget = GaugeMetricFamily("model_router_device_budget_bytes", "The device's admission budget.", labels=["device"])
+    used = GaugeMetricFamily("model_router_device_memory_used_bytes", "Last probe reading: used.", labels=["device"])
+    total = GaugeMetricFamily("model_router_device_memory_total_bytes", "Last probe reading: total.", labels=["device"])
+    paused = GaugeMetricFamily("model_router_admission_paused", "1 while admission is paused.", labels=["device"])
+    running = GaugeMetricFamily("model_router_running_batches", "Batches running on the device.", labels=["device"])
+    for device, scheduler in runtime.schedulers.items():
+        ledger = scheduler.ledger
+        reserved.add_metric([device], ledger.reserved_bytes)
+        weights.add_metric([device], ledger.weights_bytes)
+        peak.add_metric([device], ledger.peak_bytes)
+        budget.add_metric([device], scheduler.budget_bytes)
+        paused.add_metric([device], 1 if scheduler.paused else 0)
+        running.add_metric([device], scheduler.running_batches)
+        if scheduler.last_reading is not None:
+            used.add_metric([device], scheduler.last_reading.used_bytes)
+            total.add_metric([device], scheduler.last_reading.total_bytes)
+    yield from (reserved, weights, peak, budget, used, total, paused, running)

@@ -1,0 +1,78 @@
+"""Resolve a fleet config against the installed plugins: every name and option checked, before any port opens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from router.config import FleetConfig, format_validation_error
+from router.errors import ConfigError, UnknownPlugin
+from router.registry import PluginInfo, PluginRegistry
+
+__all__ = ["FleetPlan", "ModelPlan", "resolve_fleet"]
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    name: str
+    plugin: PluginInfo
+    options: BaseModel
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    source: str
+    fleet: FleetConfig
+    models: dict[str, ModelPlan]
+
+    def describe(self) -> dict[str, Any]:
+        """The resolved plan as plain data (printed by `model-router check`)."""
+        devices = {
+            name: device.model_dump(mode="json", exclude_none=True) for name, device in self.fleet.devices.items()
+        }
+        models = {}
+        for name, plan in self.models.items():
+            config = self.fleet.models[name]
+            models[name] = {
+                "plugin": plan.plugin.name,
+                "distribution": f"{plan.plugin.distribution or '(registered in code)'} {plan.plugin.version or ''}".strip(),
+                "instances": config.instance_devices,
+                "options": plan.options.model_dump(mode="json"),
+                "queue": config.queue.model_dump(mode="json"),
+                "batch": config.batch.model_dump(mode="json"),
+                "memory": config.memory.model_dump(mode="json", exclude_none=True),
+                "execution": config.execution.model_dump(mode="json"),
+                "warmup": config.warmup.model_dump(mode="json", exclude_none=True),
+                "weight": config.weight,
+                "required": config.required,
+            }
+        return {
+            "source": self.source,
+            "model_store": str(self.fleet.model_store),
+            "devices": devices,
+            "models": models,
+        }
+
+
+def resolve_fleet(fleet: FleetConfig, registry: PluginRegistry, source: str = "fleet") -> FleetPlan:
+    """Match each model to its plugin and validate its options. All problems are reported together."""
+    problems: list[str] = []
+    models: dict[str, ModelPlan] = {}
+    for name, config in fleet.models.items():
+        try:
+            info = registry.get(config.plugin)
+        except UnknownPlugin as exc:
+            problems.append(f"  {source}: models.{name}.plugin: {exc.message} (got {config.plugin!r})")
+            continue
+        try:
+            options = info.cls.Options.model_validate(config.options)
+        except ValidationError as exc:
+            detail = format_validation_error(exc, source).splitlines()[1:]
+            problems.extend(line.replace(f"{source}: ", f"{source}: models.{name}.options.", 1) for line in detail)
+            continue
+        models[name] = ModelPlan(name, info, options)
+    if problems:
+        raise ConfigError("\n".join([f"{source}: invalid configuration ({len(problems)} problem(s))", *problems]))
+    return FleetPlan(source, fleet, models)

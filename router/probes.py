@@ -1,0 +1,158 @@
+"""Live memory readings behind one interface: NVML for `cuda:N`, host RAM for `cpu`, scripted for tests.
+
+Only a device's scheduler reads its probe.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+__all__ = [
+    "HostMemoryProbe",
+    "MemoryProbe",
+    "MemoryReading",
+    "NvmlProbe",
+    "ProbeError",
+    "ScriptedProbe",
+    "make_probe",
+]
+
+
+class ProbeError(RuntimeError):
+    """A probe could not produce a trustworthy reading."""
+
+
+@dataclass(frozen=True)
+class MemoryReading:
+    used_bytes: int
+    total_bytes: int
+
+    def check(self) -> MemoryReading:
+        """Reject readings that cannot be true, so admission never trusts nonsense."""
+        if self.total_bytes <= 0 or not 0 <= self.used_bytes <= self.total_bytes:
+            raise ProbeError(f"implausible reading: used={self.used_bytes} total={self.total_bytes}")
+        return self
+
+
+@runtime_checkable
+class MemoryProbe(Protocol):
+    device: str
+
+    def read(self) -> MemoryReading: ...
+
+    def close(self) -> None: ...
+
+
+class HostMemoryProbe:
+    """Host RAM through psutil: used = total - available."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        import psutil
+
+        self.device = device
+        self._psutil = psutil
+
+    def read(self) -> MemoryReading:
+        memory = self._psutil.virtual_memory()
+        return MemoryReading(memory.total - memory.available, memory.total).check()
+
+    def close(self) -> None:
+        pass
+
+
+class NvmlProbe:
+    """GPU memory through NVML (nvidia-ml-py, imported as pynvml).
+
+    `cuda:N` is the N-th visible device, so CUDA_VISIBLE_DEVICES is honoured: NVML itself
+    numbers every GPU on the host.
+    """
+
+    def __init__(self, device: str) -> None:
+        try:
+            import pynvml
+        except ImportError as exc:  # pragma: no cover - nvidia-ml-py is a core dependency
+            raise ProbeError("nvidia-ml-py is not installed; it provides the pynvml module") from exc
+        self.device = device
+        self._nvml = pynvml
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:
+            raise ProbeError(f"NVML is not available for {device}: {exc}") from exc
+        try:
+            self._handle = self._resolve_handle(int(device.split(":", 1)[1]))
+        except Exception:
+            pynvml.nvmlShutdown()
+            raise
+
+    def _resolve_handle(self, logical: int) -> object:
+        nvml = self._nvml
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is None or visible.strip() == "":
+            return nvml.nvmlDeviceGetHandleByIndex(logical)
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        if logical >= len(entries):
+            raise ProbeError(f"{self.device}: CUDA_VISIBLE_DEVICES={visible!r} lists {len(entries)} device(s)")
+        entry = entries[logical]
+        if entry.isdigit():
+            return nvml.nvmlDeviceGetHandleByIndex(int(entry))
+        return nvml.nvmlDeviceGetHandleByUUID(entry)
+
+    def read(self) -> MemoryReading:
+        try:
+            info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+        except self._nvml.NVMLError as exc:
+            raise ProbeError(f"NVML read failed for {self.device}: {exc}") from exc
+        return MemoryReading(int(info.used), int(info.total)).check()
+
+    def close(self) -> None:
+        try:
+            self._nvml.nvmlShutdown()
+        except self._nvml.NVMLError:
+            pass
+
+
+class ScriptedProbe:
+    """Readings from a script, for tests: a sequence (the last value repeats) or a callable.
+    An exception instance in the script is raised when reached."""
+
+    def __init__(
+        self,
+        device: str,
+        script: Iterable[MemoryReading | BaseException] | Callable[[], MemoryReading],
+    ) -> None:
+        self.device = device
+        self.reads = 0
+        self._call: Callable[[], MemoryReading] | None = script if callable(script) else None
+        self._items: Iterator[MemoryReading | BaseException] | None = (
+            None if callable(script) else iter(list(script))
+        )
+        self._last: MemoryReading | BaseException | None = None
+
+    def read(self) -> MemoryReading:
+        self.reads += 1
+        if self._call is not None:
+            return self._call().check()
+        assert self._items is not None
+        self._last = next(self._items, self._last)
+        if self._last is None:
+            raise ProbeError("scripted probe has no readings")
+        if isinstance(self._last, BaseException):
+            raise self._last
+        return self._last.check()
+
+    def close(self) -> None:
+        pass
+
+
+def make_probe(device: str, kind: str) -> MemoryProbe | None:
+    """The probe a device config asks for; None means the ledger alone governs admission."""
+    if kind == "none":
+        return None
+    if kind == "nvml" or (kind == "auto" and device.startswith("cuda")):
+        return NvmlProbe(device)
+    if kind == "host" or (kind == "auto" and device == "cpu"):
+        return HostMemoryProbe(device)
+    raise ProbeError(f"probe {kind!r} cannot read device {device!r}")

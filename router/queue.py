@@ -1,0 +1,197 @@
+"""A model's bounded priority queue. It owns its tickets, their order and batch formation.
+
+The queue is plain state driven with explicit timestamps; it never sleeps and never touches the
+event loop, so tests drive it with an injected clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.config import BatchPolicy
+from router.errors import QueueFull
+
+__all__ = ["DrainRate", "ModelQueue", "Ticket", "TicketState"]
+
+
+class TicketState(enum.Enum):
+    QUEUED = "queued"
+    DISPATCHED = "dispatched"
+    WITHDRAWN = "withdrawn"  # expired or cancelled while queued; never runs
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One accepted request: its prepared input and the future its answer goes to."""
+
+    request_id: str
+    item: Any
+    priority: int
+    arrived_at: float
+    deadline: float
+    future: Any = None  # asyncio.Future in the runtime; anything in pure tests
+    input_bytes: int = 0
+    state: TicketState = TicketState.QUEUED
+    dispatched_at: float | None = None
+    batch_size: int = 0
+    execution_s: float = 0.0
+    memory_delta_bytes: int | None = None
+
+
+@dataclass
+class DrainRate:
+    """Items taken per second over a sliding window, for Retry-After estimates."""
+
+    window_s: float = 10.0
+    _events: deque[tuple[float, int]] = field(default_factory=deque)
+    _total: int = 0
+
+    def record(self, now: float, count: int) -> None:
+        self._events.append((now, count))
+        self._total += count
+        self._trim(now)
+
+    def per_second(self, now: float) -> float | None:
+        self._trim(now)
+        if not self._events:
+            return None
+        span = max(now - self._events[0][0], 0.25)
+        return self._total / span
+
+    def _trim(self, now: float) -> None:
+        while self._events and now - self._events[0][0] > self.window_s:
+            _, count = self._events.popleft()
+            self._total -= count
+
+
+class ModelQueue:
+    """Bounded, priority-ordered (higher first), FIFO within a priority level.
+
+    Capacity counts queued tickets plus slots reserved by requests still being preprocessed,
+    so a burst cannot pile up unbounded work in front of the queue.
+    Withdrawn tickets are removed lazily and compacted when they pile up.
+    """
+
+    def __init__(self, name: str, *, max_size: int, priority_levels: int = 1) -> None:
+        self.name = name
+        self.max_size = max_size
+        self.priority_levels = priority_levels
+        self._levels: list[deque[Ticket]] = [deque() for _ in range(priority_levels)]
+        self._live = 0
+        self._pending = 0
+        self._dead = 0
+        self.drain = DrainRate()
+
+    @property
+    def depth(self) -> int:
+        """Tickets waiting to be batched."""
+        return self._live
+
+    @property
+    def occupancy(self) -> int:
+        """Queued tickets plus reserved slots; compared with max_size."""
+        return self._live + self._pending
+
+    def reserve_slot(self, now: float) -> None:
+        """Claim capacity for a request about to be preprocessed. Raises QueueFull at once."""
+        if self.occupancy >= self.max_size:
+            raise QueueFull(
+                f"model {self.name!r} queue is full ({self.max_size} requests); retry later",
+                retry_after_s=self.retry_after_s(now),
+            )
+        self._pending += 1
+
+    def release_slot(self) -> None:
+        self._pending = max(0, self._pending - 1)
+
+    def put(self, ticket: Ticket, *, reserved: bool = False) -> None:
+        """Queue a ticket, converting a reserved slot if the caller holds one."""
+        if reserved:
+            self.release_slot()
+        elif self.occupancy >= self.max_size:
+            raise QueueFull(
+                f"model {self.name!r} queue is full ({self.max_size} requests); retry later",
+                retry_after_s=self.retry_after_s(ticket.arrived_at),
+            )
+        if not 1 <= ticket.priority <= self.priority_levels:
+            raise ValueError(f"priority must be in 1..{self.priority_levels}, got {ticket.priority}")
+        ticket.state = TicketState.QUEUED
+        self._levels[ticket.priority - 1].append(ticket)
+        self._live += 1
+
+    def withdraw(self, ticket: Ticket) -> bool:
+        """Remove a queued ticket (deadline passed, client gone). False if it was already dispatched."""
+        if ticket.state is not TicketState.QUEUED:
+            return False
+        ticket.state = TicketState.WITHDRAWN
+        self._live -= 1
+        self._dead += 1
+        if self._dead > max(64, self._live):
+            self._compact()
+        return True
+
+    def take(self, n: int, now: float) -> list[Ticket]:
+        """Dispatch up to n tickets: highest priority first, oldest first within a level."""
+        batch: list[Ticket] = []
+        for level in reversed(self._levels):
+            while level and len(batch) < n:
+                ticket = level.popleft()
+                if ticket.state is not TicketState.QUEUED:
+                    self._dead -= 1
+                    continue
+                ticket.state = TicketState.DISPATCHED
+                ticket.dispatched_at = now
+                batch.append(ticket)
+            if len(batch) >= n:
+                break
+        self._live -= len(batch)
+        if batch:
+            self.drain.record(now, len(batch))
+        return batch
+
+    def oldest_arrival(self) -> float | None:
+        """Arrival time of the oldest live ticket: the start of the forming batch's delay."""
+        oldest: float | None = None
+        for level in self._levels:
+            self._drop_dead_head(level)
+            if level and (oldest is None or level[0].arrived_at < oldest):
+                oldest = level[0].arrived_at
+        return oldest
+
+    def due_at(self, policy: BatchPolicy, max_batch: int | None = None) -> float | None:
+        """When the forming batch must go: at once if full, else max_delay after its first arrival."""
+        if self._live == 0:
+            return None
+        oldest = self.oldest_arrival()
+        assert oldest is not None
+        if self._live >= (max_batch or policy.max_size):
+            return oldest
+        return oldest + policy.max_delay_s
+
+    def retry_after_s(self, now: float) -> float:
+        """Seconds until the queue has likely drained enough to take one more request."""
+        rate = self.drain.per_second(now)
+        if not rate:
+            return 1.0
+        return min(60.0, max(1.0, self.occupancy / rate))
+
+    def __iter__(self) -> Iterator[Ticket]:
+        """Live tickets in dispatch order (for inspection and shutdown)."""
+        for level in reversed(self._levels):
+            for ticket in level:
+                if ticket.state is TicketState.QUEUED:
+                    yield ticket
+
+    def _drop_dead_head(self, level: deque[Ticket]) -> None:
+        while level and level[0].state is not TicketState.QUEUED:
+            level.popleft()
+            self._dead -= 1
+
+    def _compact(self) -> None:
+        for index, level in enumerate(self._levels):
+            self._levels[index] = deque(t for t in level if t.state is TicketState.QUEUED)
+        self._dead = 0

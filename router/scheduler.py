@@ -1,0 +1,243 @@
+"""One scheduler per device: it owns the device's ledger and probe, and dispatches batches.
+
+The decision is `plan_admission` (pure). This module is the thin loop around it: gather the
+inputs, read the probe, carry out the plan, and sleep until the next batch is due or something
+changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+from router.admission import Candidate, DeviceState, Plan, fits, plan_admission
+from router.config import DeviceConfig
+from router.deployment import Deployment
+from router.instance import ModelInstance
+from router.ledger import MemoryLedger, Reservation
+from router.probes import MemoryProbe, MemoryReading, ProbeError
+from router.queue import Ticket
+
+__all__ = ["DeviceScheduler"]
+
+log = logging.getLogger("router.scheduler")
+IDLE_REFRESH_S = 1.0
+
+
+class DeviceScheduler:
+    def __init__(
+        self,
+        device: str,
+        config: DeviceConfig,
+        probe: MemoryProbe | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.device = device
+        self.config = config
+        self.probe = probe
+        self.clock = clock
+        self.ledger = MemoryLedger(device)
+        self.budget_bytes = 0
+        self.total_bytes = 0
+        self.last_reading: MemoryReading | None = None
+        self.paused = False
+        self.last_plan = Plan()
+        self.probe_errors = 0
+        self.restarts = 0
+        self._probe_failing = False
+        self._members: list[tuple[Deployment, ModelInstance]] = []
+        self._served_s: dict[str, float] = defaultdict(float)
+        self._event = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._running: set[asyncio.Task[None]] = set()
+        self._stopping = False
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def resolve_budget(self) -> int:
+        """Fix the device budget from the config and a first reading. Raises ProbeError."""
+        if self.probe is not None:
+            reading = self.probe.read()
+            self.last_reading = reading
+            self.total_bytes = reading.total_bytes
+        elif self.config.memory_budget is None:
+            raise ProbeError(f"device {self.device}: probe 'none' needs an explicit memory_budget")
+        if self.config.memory_budget is not None:
+            self.budget_bytes = int(self.config.memory_budget)
+            self.total_bytes = self.total_bytes or self.budget_bytes
+        else:
+            self.budget_bytes = int(self.total_bytes * self.config.memory_fraction)
+        return self.budget_bytes
+
+    def attach(self, deployment: Deployment, instance: ModelInstance) -> None:
+        self._members.append((deployment, instance))
+
+    def check_fits(self, deployment: Deployment, instance: ModelInstance) -> None:
+        """Refuse a model whose single-item batch can never fit its or the device's budget."""
+        candidate = self._candidate(deployment, instance)
+        if not fits(candidate, 1, self._device_state()):
+            raise ProbeError(
+                f"model {deployment.name!r}: one input needs {candidate.batch_bytes(1)} bytes beyond its "
+                f"weights, which does not fit its budget ({deployment.budget_bytes}) or the device "
+                f"budget of {self.device} ({self.budget_bytes})"
+            )
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise(), name=f"scheduler-{self.device}")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._event.set()
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.probe is not None:
+            self.probe.close()
+
+    def notify(self) -> None:
+        """Something changed: a ticket arrived, a batch finished, an instance became ready."""
+        self._event.set()
+
+    @property
+    def running_batches(self) -> int:
+        return len(self._running)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        """Keep the loop alive: a crash is logged loudly and the loop restarts."""
+        while not self._stopping:
+            try:
+                await self._loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.restarts += 1
+                log.exception("scheduler for %s crashed (restart %d)", self.device, self.restarts)
+                await asyncio.sleep(0.05)
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            self._event.clear()
+            wake_at = self.step()
+            delay = IDLE_REFRESH_S if wake_at is None else max(0.0, wake_at - self.clock())
+            timer = loop.call_later(delay, self._event.set)
+            try:
+                await self._event.wait()
+            finally:
+                timer.cancel()
+
+    def step(self) -> float | None:
+        """Admit what fits now. Returns when to look again (None: only when notified)."""
+        now = self.clock()
+        candidates: list[Candidate] = []
+        next_due: float | None = None
+        for deployment, instance in self._members:
+            if not instance.schedulable:
+                continue
+            due = deployment.queue.due_at(deployment.config.batch, deployment.max_batch)
+            if due is None:
+                continue
+            if due <= now:
+                candidates.append(self._candidate(deployment, instance))
+            elif next_due is None or due < next_due:
+                next_due = due
+        if not candidates:
+            if self.probe is not None and now - self._last_read_at > IDLE_REFRESH_S:
+                self._read()
+            return next_due
+        plan = plan_admission(candidates, self._device_state(reading=self._read()))
+        self._record_plan(plan)
+        by_key = {instance.key: (d, instance) for d, instance in self._members}
+        for admission in plan.admits:
+            deployment, instance = by_key[admission.instance]
+            self._dispatch(deployment, instance, admission.size, now)
+        if plan.paused or plan.blocked:
+            poll = now + self.config.poll_interval_ms / 1000.0
+            next_due = poll if next_due is None else min(next_due, poll)
+        return next_due
+
+    _last_read_at = 0.0
+
+    def _read(self) -> MemoryReading | None:
+        """Read the probe; any failure is logged once and turns admission off until it recovers."""
+        self._last_read_at = self.clock()
+        if self.probe is None:
+            return MemoryReading(self.ledger.weights_bytes, max(self.total_bytes, self.budget_bytes))
+        try:
+            reading = self.probe.read().check()
+        except Exception as exc:
+            self.probe_errors += 1
+            if not self._probe_failing:
+                log.error("memory probe for %s failed, admission paused: %s", self.device, exc)
+            self._probe_failing = True
+            return None
+        if self._probe_failing:
+            log.warning("memory probe for %s recovered; admission resumes", self.device)
+            self._probe_failing = False
+        self.last_reading = reading
+        return reading
+
+    def _device_state(self, reading: MemoryReading | None = None) -> DeviceState:
+        used = reading.used_bytes if reading is not None else None
+        if reading is None and self.probe is None:
+            used = self.ledger.weights_bytes
+        return DeviceState(
+            budget_bytes=self.budget_bytes,
+            used_bytes=used,
+            reserved_bytes=self.ledger.reserved_bytes,
+            high_watermark=self.config.high_watermark,
+            low_watermark=self.config.low_watermark,
+            paused=self.paused,
+        )
+
+    def _candidate(self, deployment: Deployment, instance: ModelInstance) -> Candidate:
+        estimate = deployment.estimate
+        return Candidate(
+            model=deployment.name,
+            instance=instance.key,
+            queued=deployment.queue.depth,
+            max_batch=deployment.max_batch,
+            per_item_bytes=estimate.per_item_bytes if estimate else 0,
+            fixed_bytes=estimate.fixed_bytes if estimate else 0,
+            model_budget=deployment.budget_bytes,
+            model_bytes=self.ledger.model_bytes(deployment.name),
+            share=self._served_s[deployment.name] / deployment.config.weight,
+        )
+
+    def _record_plan(self, plan: Plan) -> None:
+        if plan.paused != self.paused:
+            log.warning("device %s admission %s: %s", self.device, "paused" if plan.paused else "resumed",
+                        plan.reason or "below the low watermark")
+        self.paused = plan.paused
+        self.last_plan = plan
+
+    def _dispatch(self, deployment: Deployment, instance: ModelInstance, size: int, now: float) -> None:
+        tickets = deployment.queue.take(size, now)
+        if not tickets:
+            return
+        estimate = deployment.estimate
+        nbytes = estimate.batch_bytes(len(tickets)) if estimate else 0
+        reservation = self.ledger.reserve(deployment.name, nbytes)
+        instance.busy = True
+        task = asyncio.create_task(self._run(deployment, instance, tickets, reservation))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _run(
+        self, deployment: Deployment, instance: ModelInstance, tickets: list[Ticket], reservation: Reservation
+    ) -> None:
+        started = self.clock()
+        try:
+            await instance.execute(tickets)
+            await instance.wait_idle()  # a stalled batch keeps its memory until its thread returns
+        finally:
+            self.ledger.release(reservation)
+            instance.busy = False
+            self._served_s[deployment.name] += self.clock() - started
+            self.notify()

@@ -1,0 +1,50 @@
+"""Running the app under uvicorn, with a drain on the first SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from router.runtime import Runtime
+
+__all__ = ["DrainingServer"]
+
+log = logging.getLogger("router.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """First signal: refuse new requests (503), drain queued and running work, then exit.
+    A second signal falls through to uvicorn's own handling."""
+
+    def __init__(self, config: uvicorn.Config, runtime: Runtime, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.runtime = runtime
+        self.drain_timeout_s = drain_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Future[Any] | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_task is not None or self._loop is None or self.runtime.draining:
+            super().handle_exit(sig, frame)
+            return
+        self.runtime.draining = True
+        log.info("received %s: draining before exit", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        async def drain_then_exit() -> None:
+            try:
+                await self.runtime.drain(self.drain_timeout_s)
+            finally:
+                self.should_exit = True
+
+        self._drain_task = asyncio.ensure_future(drain_then_exit())

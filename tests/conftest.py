@@ -1,0 +1,120 @@
+"""Shared fixtures: a real router process on a loopback port, and fleet files in tmp dirs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class RouterProcess:
+    """A `model-router serve` child process and its log."""
+
+    url: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def log_records(self) -> list[dict[str, object]]:
+        records = []
+        for line in self.log().splitlines():
+            if line.startswith("{"):
+                records.append(json.loads(line))
+        return records
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(5)
+            raise AssertionError(f"server did not exit within {timeout}s after signal {sig}:\n{self.log()[-3000:]}")
+
+
+@contextmanager
+def serve(
+    tmp_path: Path, fleet: str, *, env: dict[str, str] | None = None, wait_ready: bool = True, timeout: float = 90.0
+) -> Iterator[RouterProcess]:
+    """Write `fleet` to a file, start `python -m router serve` on a free port, wait until ready."""
+    config = tmp_path / "fleet.yaml"
+    config.write_text(fleet, encoding="utf-8")
+    port = free_port()
+    log_path = tmp_path / f"server-{port}.log"
+    child_env = {**os.environ, "MODEL_ROUTER_HOST": "127.0.0.1", "MODEL_ROUTER_PORT": str(port),
+                 "MODEL_ROUTER_CONFIG": str(config), **(env or {})}
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen([sys.executable, "-m", "router", "serve"], cwd=REPO, env=child_env,
+                                   stdout=log_file, stderr=subprocess.STDOUT)
+    server = RouterProcess(f"http://127.0.0.1:{port}", process, log_path)
+    try:
+        _wait_for(server, "/health/ready" if wait_ready else "/health/live", timeout)
+        yield server
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+
+
+def _wait_for(server: RouterProcess, path: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise AssertionError(f"server exited with {server.process.returncode}:\n{server.log()[-3000:]}")
+        try:
+            if httpx.get(server.url + path, timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"server not up at {path} after {timeout}s:\n{server.log()[-3000:]}")
+
+
+def read_records(path: Path) -> list[dict[str, object]]:
+    """Batches the scripted plugin recorded (warm-up batches left out)."""
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [row for row in rows if "warmup" not in row["ids"]]  # type: ignore[operator]
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """One sample from Prometheus text output (0 if absent)."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    prefix = f"{name}{{{wanted}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(prefix + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.fixture
+def record_file(tmp_path: Path) -> Path:
+    return tmp_path / "batches.jsonl"

@@ -1,0 +1,1 @@
+"""Test plugins for model-router, discovered through the `model_router.plugins` entry point."""

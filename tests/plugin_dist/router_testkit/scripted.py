@@ -1,0 +1,88 @@
+"""A plugin whose behaviour a test scripts: batch cost a + b*n, failures, hangs, out-of-memory.
+
+Input: JSON `{"id": "...", ...}`. Output: `{"id": ..., "batch": k}`. With `record` set, each
+executed batch appends a JSON line `{"model", "ids", "start", "end"}` (time.monotonic), so a
+test in another process can see exactly what ran and when.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from router.errors import DeviceOutOfMemory, InputError
+from router.plugin import MemoryEstimate, ModelPlugin, Payload
+
+
+class ScriptedOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    fixed_ms: float = Field(0.0, ge=0, description="cost of a batch: fixed_ms + per_item_ms * n")
+    per_item_ms: float = Field(0.0, ge=0)
+    fail: Literal["never", "always", "marked"] = "never"  # marked: fail batches holding an id starting 'fail'
+    hang_on: str | None = Field(None, description="an id whose batch sleeps hang_ms")
+    hang_ms: float = 0.0
+    oom_above: int | None = Field(None, description="raise out-of-memory for batches larger than this")
+    weights_bytes: int = 1_000_000
+    per_item_bytes: int = 1_000
+    fixed_bytes: int = 0
+    load_error: str | None = None
+    load_ms: float = Field(0.0, ge=0, description="time load() takes")
+    record: str | None = None
+
+
+class ScriptedPlugin(ModelPlugin[ScriptedOptions]):
+    Options = ScriptedOptions
+    accepts = ("application/json", "application/octet-stream")
+
+    def load(self, device: str) -> None:
+        time.sleep(self.options.load_ms / 1000.0)
+        if self.options.load_error:
+            raise RuntimeError(self.options.load_error)
+        self.batches = 0
+        self.executed: list[list[str]] = []
+        self._lock = threading.Lock()
+
+    def preprocess(self, payload: Payload) -> str:
+        if payload.media_type.startswith("application/json"):
+            try:
+                return str(json.loads(payload.body)["id"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise InputError(f'expected JSON like {{"id": "..."}}: {exc}') from None
+        return payload.body.decode("utf-8", "replace")[:64]
+
+    def predict_batch(self, items: Sequence[str]) -> list[dict[str, Any]]:
+        options = self.options
+        if options.oom_above is not None and len(items) > options.oom_above:
+            raise DeviceOutOfMemory(f"scripted out-of-memory for a batch of {len(items)}")
+        start = time.monotonic()
+        time.sleep((options.fixed_ms + options.per_item_ms * len(items)) / 1000.0)
+        if options.hang_on is not None and options.hang_on in items:
+            time.sleep(options.hang_ms / 1000.0)
+        end = time.monotonic()
+        with self._lock:
+            self.batches += 1
+            batch = self.batches
+            self.executed.append(list(items))
+        self._record(items, start, end)
+        if options.fail == "always" or (options.fail == "marked" and any(i.startswith("fail") for i in items)):
+            raise RuntimeError(f"scripted failure in batch {batch}")
+        return [{"id": item, "batch": batch} for item in items]
+
+    def _record(self, items: Sequence[str], start: float, end: float) -> None:
+        if self.options.record is None:
+            return
+        line = json.dumps({"model": self.context.model_name, "ids": list(items), "start": start, "end": end})
+        with self._lock, open(self.options.record, "a", encoding="utf-8") as handle:
+            handle.write(line + "\n")
+
+    def memory_estimate(self) -> MemoryEstimate:
+        o = self.options
+        return MemoryEstimate(o.weights_bytes, o.per_item_bytes, o.fixed_bytes)
+
+    def example_payload(self) -> Payload:
+        return Payload(b'{"id": "warmup"}', "application/json")
