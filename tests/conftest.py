@@ -118,3 +118,21 @@ def metric_value(text: str, name: str, **labels: str) -> float:
 @pytest.fixture
 def record_file(tmp_path: Path) -> Path:
     return tmp_path / "batches.jsonl"
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`gpu` tests skip cleanly, with the reason printed, where there is no CUDA device."""
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

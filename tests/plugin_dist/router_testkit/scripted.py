@@ -27,6 +27,7 @@ class ScriptedOptions(BaseModel):
     hang_on: str | None = Field(None, description="an id whose batch sleeps hang_ms")
     hang_ms: float = 0.0
     oom_above: int | None = Field(None, description="raise out-of-memory for batches larger than this")
+    oom_marker: str | None = Field(None, description="raise out-of-memory for batches holding an id with this prefix")
     weights_bytes: int = 1_000_000
     per_item_bytes: int = 1_000
     fixed_bytes: int = 0
@@ -59,6 +60,8 @@ class ScriptedPlugin(ModelPlugin[ScriptedOptions]):
         options = self.options
         if options.oom_above is not None and len(items) > options.oom_above:
             raise DeviceOutOfMemory(f"scripted out-of-memory for a batch of {len(items)}")
+        if options.oom_marker is not None and any(i.startswith(options.oom_marker) for i in items):
+            raise DeviceOutOfMemory(f"scripted out-of-memory for a batch holding {options.oom_marker}*")
         start = time.monotonic()
         time.sleep((options.fixed_ms + options.per_item_ms * len(items)) / 1000.0)
         if options.hang_on is not None and options.hang_on in items:
