@@ -64,11 +64,12 @@ def largest_fitting(candidate: Candidate, want: int, room: int) -> int:
     return max(0, min(want, n))
 
 
-def fits(candidate: Candidate, n: int, device: DeviceState) -> bool:
-    """Whether a batch of n could ever fit on an otherwise idle device (weights still loaded)."""
+def fits(candidate: Candidate, n: int, device: DeviceState, resident_bytes: int = 0) -> bool:
+    """Whether a batch of n could ever fit once nothing else runs, with `resident_bytes` of
+    weights still loaded on the device."""
     need = candidate.batch_bytes(n)
     model_ok = candidate.model_budget is None or candidate.model_bytes + need <= candidate.model_budget
-    return model_ok and need <= device.budget_bytes
+    return model_ok and resident_bytes + need <= device.budget_bytes
 
 
 def _paused(device: DeviceState) -> bool:
@@ -94,10 +95,10 @@ def plan_admission(candidates: Sequence[Candidate], device: DeviceState) -> Plan
         want = min(c.max_batch, left[c.model])
         if want <= 0:
             continue
-        model_room = free if c.model_budget is None else c.model_budget - booked[c.model]
-        n = largest_fitting(c, want, min(free, model_room))
+        model_room = None if c.model_budget is None else c.model_budget - booked[c.model]
+        n = largest_fitting(c, want, free if model_room is None else min(free, model_room))
         if n == 0:
-            if largest_fitting(c, 1, model_room) == 0:
+            if model_room is not None and largest_fitting(c, 1, model_room) == 0:
                 continue  # held back by its own budget only: others may go
             return Plan(admits, blocked=c.model, reason=f"{c.model}: batch of 1 waits for device memory")
         need = c.batch_bytes(n)

@@ -45,8 +45,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"model-router: {exc}", file=sys.stderr)
         return 2
-    runtime = Runtime(plan, cpu_workers=settings.cpu_workers,
-                      plugin_extra={"max_image_pixels": settings.max_image_pixels})
+    runtime = Runtime(plan, cpu_workers=settings.cpu_workers)
     app = create_app(runtime, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=5, access_log=False)

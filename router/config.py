@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -40,6 +41,11 @@ __all__ = [
 
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda:\d+)$")
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+def check_device_name(name: str) -> None:
+    if not DEVICE_PATTERN.match(name):
+        raise ValueError(f"device {name!r} is not valid; accepted: 'cpu' or 'cuda:N'")
 
 
 class _Strict(BaseModel):
@@ -136,13 +142,27 @@ class ModelConfig(_Strict):
     weight: float = Field(1.0, gt=0, description="fair-share weight among models on a device")
     required: bool = Field(True, description="readiness waits for this model")
 
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_device_name(value)
+        return value
+
+    @field_validator("devices")
+    @classmethod
+    def _device_names(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("devices is empty; list at least one, like [cpu] or [cuda:0, cuda:1]")
+            for device in value:
+                check_device_name(device)
+        return value
+
     @model_validator(mode="after")
     def _one_device_form(self) -> ModelConfig:
         if self.device is not None and self.devices is not None:
             raise ValueError("give either device or devices, not both")
-        for device in self.instance_devices:
-            if not DEVICE_PATTERN.match(device):
-                raise ValueError(f"device {device!r} is not valid; accepted: 'cpu' or 'cuda:N'")
         return self
 
     @property
@@ -165,8 +185,7 @@ class FleetConfig(_Strict):
     @classmethod
     def _device_names(cls, value: dict[str, DeviceConfig]) -> dict[str, DeviceConfig]:
         for name in value:
-            if not DEVICE_PATTERN.match(name):
-                raise ValueError(f"device name {name!r} is not valid; accepted: 'cpu' or 'cuda:N'")
+            check_device_name(name)
         return value
 
     @field_validator("models")
@@ -193,16 +212,41 @@ class FleetConfig(_Strict):
         return self
 
 
-def format_validation_error(error: ValidationError, source: str) -> str:
-    """One line per problem: `file: key.path: message (got value)`."""
+def format_validation_error(error: ValidationError, source: str, schema: type[BaseModel] | None = None) -> str:
+    """One line per problem: `file: key.path: message (got value)`. With the schema, an unknown
+    key's message lists the accepted keys."""
     lines = [f"{source}: invalid configuration ({error.error_count()} problem(s))"]
     for item in error.errors():
         location = ".".join(str(part) for part in item["loc"]) or "(top level)"
         message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden" and schema is not None:
+            accepted = _accepted_keys(schema, item["loc"][:-1])
+            if accepted:
+                message = f"unknown key; accepted: {', '.join(accepted)}"
         got = item.get("input")
         shown = "" if isinstance(got, dict) or item["type"] == "missing" else f" (got {got!r})"
         lines.append(f"  {source}: {location}: {message}{shown}")
     return "\n".join(lines)
+
+
+def _accepted_keys(schema: type[BaseModel], path: tuple[int | str, ...]) -> list[str]:
+    """Field names of the model found by following `path` from `schema` (through dict values)."""
+    current: Any = schema
+    for part in path:
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(str(part))
+            if field is None:
+                return []
+            current = field.annotation
+        elif get_origin(current) is dict:
+            current = get_args(current)[1]
+        else:
+            return []
+        if get_origin(current) in (Union, UnionType):
+            current = next((a for a in get_args(current) if a is not type(None)), None)
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return list(current.model_fields)
+    return []
 
 
 def load_fleet(path: str | Path) -> FleetConfig:
@@ -221,7 +265,7 @@ def load_fleet(path: str | Path) -> FleetConfig:
     try:
         fleet = FleetConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, str(source))) from exc
+        raise ConfigError(format_validation_error(exc, str(source), FleetConfig)) from exc
     if not fleet.model_store.is_absolute():
         store = (source.parent / fleet.model_store).resolve()
         fleet = fleet.model_copy(update={"model_store": store})
@@ -238,6 +282,5 @@ class ServerSettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024)
-    max_image_pixels: int = Field(40_000_000, ge=1)
     drain_timeout_s: float = Field(30.0, ge=0)
     cpu_workers: int = Field(0, ge=0, description="preprocessing threads; 0 = number of CPU cores")

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from router.config import ModelConfig
 from router.instance import InstanceState, ModelInstance
-from router.plugin import MemoryEstimate
+from router.plugin import MemoryEstimate, ModelPlugin
 from router.queue import ModelQueue
 from router.registry import PluginInfo
 
@@ -58,6 +58,14 @@ class Deployment:
     @property
     def serving(self) -> bool:
         return self.state in (ModelState.READY, ModelState.DEGRADED)
+
+    @property
+    def front(self) -> ModelPlugin:  # type: ignore[type-arg]
+        """The plugin object that preprocesses and postprocesses: a loaded instance's, if any."""
+        for instance in self.instances:
+            if instance.state in (InstanceState.READY, InstanceState.STALLED):
+                return instance.plugin
+        return self.instances[0].plugin
 
     @property
     def budget_bytes(self) -> int | None:

@@ -60,7 +60,7 @@ async def _load_instance(deployment: Deployment, instance: ModelInstance, schedu
     if deployment.estimate is None or estimate.source == "profiled":
         deployment.estimate = estimate
         deployment.max_batch = limit
-    scheduler.check_fits(deployment, instance)
+    scheduler.check_fits(deployment, instance, estimate.weights_bytes)
     scheduler.ledger.book_weights(instance.key, name, estimate.weights_bytes)
     instance.estimate = estimate
     instance.max_batch = limit

@@ -69,7 +69,7 @@ def resolve_fleet(fleet: FleetConfig, registry: PluginRegistry, source: str = "f
         try:
             options = info.cls.Options.model_validate(config.options)
         except ValidationError as exc:
-            detail = format_validation_error(exc, source).splitlines()[1:]
+            detail = format_validation_error(exc, source, info.cls.Options).splitlines()[1:]
             problems.extend(line.replace(f"{source}: ", f"{source}: models.{name}.options.", 1) for line in detail)
             continue
         models[name] = ModelPlan(name, info, options)

@@ -83,9 +83,11 @@ class NvmlProbe:
             raise ProbeError(f"NVML is not available for {device}: {exc}") from exc
         try:
             self._handle = self._resolve_handle(int(device.split(":", 1)[1]))
-        except Exception:
+        except Exception as exc:
             pynvml.nvmlShutdown()
-            raise
+            if isinstance(exc, ProbeError):
+                raise
+            raise ProbeError(f"{device}: cannot open the NVML device: {exc}") from exc
 
     def _resolve_handle(self, logical: int) -> object:
         nvml = self._nvml

@@ -240,7 +240,7 @@ class Runtime:
         check_media_type(deployment, payload)
         level = check_priority(deployment, priority)
         deadline = started + check_timeout(deployment, timeout_ms)
-        plugin = deployment.instances[0].plugin
+        plugin = deployment.front
         queue = deployment.queue
         queue.reserve_slot(started)
         try:

@@ -49,6 +49,7 @@ class DeviceScheduler:
         self.probe_errors = 0
         self.restarts = 0
         self._probe_failing = False
+        self._last_read_at = 0.0
         self._members: list[tuple[Deployment, ModelInstance]] = []
         self._served_s: dict[str, float] = defaultdict(float)
         self._event = asyncio.Event()
@@ -76,14 +77,15 @@ class DeviceScheduler:
     def attach(self, deployment: Deployment, instance: ModelInstance) -> None:
         self._members.append((deployment, instance))
 
-    def check_fits(self, deployment: Deployment, instance: ModelInstance) -> None:
-        """Refuse a model whose single-item batch can never fit its or the device's budget."""
+    def check_fits(self, deployment: Deployment, instance: ModelInstance, weights_bytes: int) -> None:
+        """Refuse an instance whose single-input batch could never fit beside the loaded weights."""
         candidate = self._candidate(deployment, instance)
-        if not fits(candidate, 1, self._device_state()):
-            raise ProbeError(
-                f"model {deployment.name!r}: one input needs {candidate.batch_bytes(1)} bytes beyond its "
-                f"weights, which does not fit its budget ({deployment.budget_bytes}) or the device "
-                f"budget of {self.device} ({self.budget_bytes})"
+        resident = self.ledger.weights_bytes + weights_bytes
+        if not fits(candidate, 1, self._device_state(), resident_bytes=resident):
+            raise MemoryError(
+                f"model {deployment.name!r}: one input needs {candidate.batch_bytes(1)} bytes; with "
+                f"{resident} bytes of weights loaded on {self.device} that does not fit the model budget "
+                f"({deployment.budget_bytes}) or the device budget ({self.budget_bytes})"
             )
 
     def start(self) -> None:
@@ -161,8 +163,6 @@ class DeviceScheduler:
             poll = now + self.config.poll_interval_ms / 1000.0
             next_due = poll if next_due is None else min(next_due, poll)
         return next_due
-
-    _last_read_at = 0.0
 
     def _read(self) -> MemoryReading | None:
         """Read the probe; any failure is logged once and turns admission off until it recovers."""
