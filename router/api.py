@@ -15,6 +15,7 @@ from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.datastructures import UploadFile
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
+from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from router import __version__
@@ -188,7 +189,7 @@ def request_id_middleware(app: ASGIApp) -> ASGIApp:
     """Give every response an X-Request-ID (the caller's, if sane) and write one access log line."""
 
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != ScopeType.HTTP:
             await app(scope, receive, send)
             return
         incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")

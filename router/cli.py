@@ -78,11 +78,15 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_store_init_demo(args: argparse.Namespace) -> int:
-    from router.store import init_demo
+    from router.store import DemoStoreError, init_demo
 
-    paths = init_demo(Path(args.store), force=args.force)
+    try:
+        paths = init_demo(Path(args.store), force=args.force)
+    except DemoStoreError as exc:
+        print(f"model-router: {exc}", file=sys.stderr)
+        return 1
     for path in paths:
-        print(path)
+        print(f"built {path}")
     return 0
 
 

@@ -21,9 +21,6 @@ from typing import Final
 import numpy as np
 from PIL import BmpImagePlugin, Image, ImageOps, JpegImagePlugin, PngImagePlugin, WebPImagePlugin
 
-# Imported for their side effect: each registers its format in Image.OPEN.
-assert BmpImagePlugin and JpegImagePlugin and PngImagePlugin and WebPImagePlugin
-
 from router.errors import InputError, PayloadTooLarge, UnsupportedMediaType
 from router.plugin import Payload
 
@@ -34,8 +31,10 @@ __all__ = [
     "example_jpeg",
 ]
 
-#: Pillow format names we decode, with their display names.
+#: Pillow format names we decode, with their display names. Importing the four plugin modules
+#: registers them in Image.OPEN.
 _FORMATS: Final = {"JPEG": "JPEG", "PNG": "PNG", "WEBP": "WebP", "BMP": "BMP"}
+_PLUGINS: Final = (JpegImagePlugin, PngImagePlugin, WebPImagePlugin, BmpImagePlugin)
 _IMAGE_MEDIA_TYPES: Final = (
     "image/jpeg",
     "image/jpg",
@@ -54,7 +53,9 @@ ACCEPTED_MEDIA_TYPES: Final[tuple[str, ...]] = (*_IMAGE_MEDIA_TYPES, "applicatio
 DEFAULT_MAX_PIXELS: Final = 40_000_000
 #: What a damaged file raises inside Pillow, depending on where the damage is.
 _DECODE_ERRORS: Final = (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, KeyError, struct.error)
-_ACCEPTED_TEXT: Final = "accepted: JPEG, PNG, WebP, BMP (image/jpeg, image/png, image/webp, image/bmp or application/octet-stream)"
+_ACCEPTED_TEXT: Final = (
+    "accepted: JPEG, PNG, WebP, BMP (image/jpeg, image/png, image/webp, image/bmp or application/octet-stream)"
+)
 
 
 def decode_image(payload: Payload, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
@@ -70,7 +71,7 @@ def decode_image(payload: Payload, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> n
     try:
         image.load()
         image = ImageOps.exif_transpose(image)
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:  # a frame past the header's size
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:  # defensive: Pillow's own check
         raise PayloadTooLarge(f"image too large: {exc}") from None
     except _DECODE_ERRORS as exc:
         raise InputError(f"corrupt or truncated image data: {exc}") from None
@@ -106,7 +107,8 @@ def _open_header(body: bytes, max_pixels: int) -> Image.Image:
         raise InputError(f"corrupt or truncated image data: the {_FORMATS[fmt]} header says {width}x{height}")
     limit, whose = _pixel_limit(max_pixels)
     if width * height > limit:
-        raise PayloadTooLarge(f"image is {width}x{height} = {width * height} pixels; the limit is {limit} pixels{whose}")
+        size = f"{width}x{height} = {width * height} pixels"
+        raise PayloadTooLarge(f"image is {size}; the limit is {limit} pixels{whose}")
     return image
 
 
@@ -158,10 +160,8 @@ def example_jpeg(width: int = 320, height: int = 240, *, seed: int = 0) -> Paylo
     """A small generated JPEG (smooth colours and a few rectangles) for warm-up and profiling."""
     rng = np.random.default_rng(seed)
     ys, xs = np.mgrid[0:height, 0:width]
-    pixels = np.stack(
-        [(xs * 255 // max(width - 1, 1)), (ys * 255 // max(height - 1, 1)), ((xs + ys) * 127 // max(width + height, 1))],
-        axis=2,
-    ).astype(np.uint8)
+    red, green = xs * 255 // max(width - 1, 1), ys * 255 // max(height - 1, 1)
+    pixels = np.stack([red, green, (red + green) // 2], axis=2).astype(np.uint8)
     for _ in range(3):
         x0, y0 = int(rng.integers(0, width // 2)), int(rng.integers(0, height // 2))
         x1, y1 = x0 + int(rng.integers(8, width // 2)), y0 + int(rng.integers(8, height // 2))

@@ -140,7 +140,8 @@ class ModelInstance:
                 return
             await self._free_cache()
             if len(tickets) == 1:
-                reject(tickets[0], DeviceOutOfMemory(f"model {self.model!r} ran out of memory on a single input", retry_after_s=1.0))
+                oom = DeviceOutOfMemory(f"model {self.model!r} ran out of memory on a single input", retry_after_s=1.0)
+                reject(tickets[0], oom)
                 return
             log.warning("model %s out of memory on a batch of %d; retrying as two halves", self.model, len(tickets))
             middle = len(tickets) // 2

@@ -64,7 +64,8 @@ class PluginRegistry:
         """Validate and add a plugin class. Raises PluginValidationError at once if it is unfit."""
         validate_plugin_class(name, target)
         if name in self._plugins and self._plugins[name].cls is not target:
-            raise PluginValidationError(name, f"a different plugin is already registered under this name: {self._plugins[name].cls!r}")
+            existing = self._plugins[name].cls
+            raise PluginValidationError(name, f"a different plugin is already registered under this name: {existing!r}")
         info = PluginInfo(name, target, distribution, version)  # type: ignore[arg-type]
         self._plugins[name] = info
         self._broken.pop(name, None)

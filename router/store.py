@@ -84,17 +84,20 @@ def _build_atomically(demo: DemoFile, target: Path) -> None:
 def _build_yolo(path: Path) -> None:
     """YOLOv8n from its architecture YAML, seeded and calibrated, saved as a real ultralytics checkpoint."""
     os.environ.setdefault("YOLO_OFFLINE", "1")  # no connectivity probe, no downloads
+    os.environ.setdefault("YOLO_AUTOINSTALL", "false")  # and no pip installs
     import torch
-    from ultralytics import YOLO
+    from ultralytics import YOLO  # type: ignore[attr-defined]  # lazily re-exported
     from ultralytics.utils import YAML
     from ultralytics.utils.checks import check_yaml
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
         yolo = YOLO("yolov8n.yaml", verbose=False)
-    _calibrate_batchnorm(yolo.model, torch.Generator().manual_seed(_SEED), side=256)
-    _tune_class_logits(yolo.model)
-    yolo.model.names = dict(YAML.load(check_yaml("coco.yaml"))["names"])  # packaged with ultralytics
+    network: Any = yolo.model
+    _calibrate_batchnorm(network, torch.Generator().manual_seed(_SEED), side=256)
+    _tune_class_logits(network)
+    coco: Any = YAML.load(check_yaml("coco.yaml"))  # type: ignore[no-untyped-call]  # ships with ultralytics
+    network.names = dict(coco["names"])
     yolo.save(path)
 
 
@@ -117,7 +120,7 @@ def _calibrate_batchnorm(network: Any, generator: Any, *, side: int) -> None:
     with torch.no_grad():
         for _ in range(3):
             network(_synthetic_images(generator, count=4, side=side))
-    for bn, momentum in zip(norms, momenta):
+    for bn, momentum in zip(norms, momenta, strict=True):
         bn.momentum = momentum
     network.eval()
 
@@ -156,7 +159,7 @@ def _synthetic_images(generator: Any, *, count: int, side: int) -> Any:
 def _build_resnet(path: Path) -> None:
     """torchvision resnet18 with seeded random weights, calibrated, saved as a plain state dict."""
     import torch
-    import torchvision
+    import torchvision  # type: ignore[import-untyped]
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)

@@ -326,3 +326,25 @@ models:
         answer = await runtime.submit("m", ask("ok"))
     assert error.value.status_code == 500 and "scripted failure" in error.value.detail
     assert answer.output["id"] == "ok"
+
+
+async def test_models_sharing_a_device_get_time_in_proportion_to_their_weight(tmp_path: Path) -> None:
+    record = tmp_path / "batches.jsonl"
+    model = """
+  {name}:
+    plugin: scripted
+    options: {{fixed_ms: 10, weights_bytes: 1000000, per_item_bytes: 60000000, record: "{record}"}}
+    queue: {{max_size: 64, timeout_ms: 60000}}
+    batch: {{max_size: 1}}
+    weight: {weight}
+    warmup: {{enabled: false}}
+"""
+    # One batch of 60 MB fits the 100 MB budget at a time, so the two models take turns.
+    fleet = ("devices:\n  cpu: {probe: none, memory_budget: 100MB}\nmodels:"
+             + model.format(name="heavy", weight=3, record=record) + model.format(name="light", weight=1, record=record))
+    async with running(make_runtime(tmp_path, fleet)) as runtime:
+        await asyncio.gather(*(runtime.submit(m, ask(f"{m}{i}")) for i in range(40) for m in ("heavy", "light")))
+    rows = sorted((json.loads(line) for line in record.read_text().splitlines()), key=lambda r: r["start"])
+    first = [r["model"] for r in rows[:24]]  # both queues are still full here
+    assert 15 <= first.count("heavy") <= 21, first
+    assert all(a["end"] <= b["start"] for a, b in zip(rows, rows[1:])), "batches over budget overlapped"

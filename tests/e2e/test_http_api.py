@@ -32,6 +32,7 @@ models:
 """
 
 VECTOR = {"x": [0.5] * 16}
+JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +66,15 @@ def test_multipart_file_field(server: RouterProcess) -> None:
     ("path", "kwargs", "status", "words"),
     [
         ("/models/nope/predict", {"json": VECTOR}, 404, "no model named 'nope'"),
-        ("/models/toy/predict", {"content": b"hello", "headers": {"content-type": "text/plain"}}, 415, "accepted: application/json"),
-        ("/models/toy/predict", {"content": b"", "headers": {"content-type": "application/json"}}, 400, "empty"),
-        ("/models/toy/predict", {"content": b"{not json", "headers": {"content-type": "application/json"}}, 400, "expected JSON"),
+        ("/models/toy/predict", {"content": b"hello", "headers": {"content-type": "text/plain"}}, 415,
+         "accepted: application/json"),
+        ("/models/toy/predict", {"content": b"", "headers": JSON}, 400, "empty"),
+        ("/models/toy/predict", {"content": b"{not json", "headers": JSON}, 400, "expected JSON"),
         ("/models/toy/predict", {"json": VECTOR, "headers": {"X-Timeout-Ms": "soon"}}, 400, "X-Timeout-Ms must be a number"),
         ("/models/toy/predict", {"json": VECTOR, "headers": {"X-Timeout-Ms": "-5"}}, 400, "positive"),
         ("/models/toy/predict", {"json": VECTOR, "headers": {"X-Priority": "9"}}, 400, "from 1 to 3"),
         ("/models/toy/predict", {"json": VECTOR, "headers": {"X-Priority": "1.5"}}, 400, "integer"),
-        ("/models/toy/predict", {"content": b"x" * 10_000, "headers": {"content-type": "application/json"}}, 413, ""),
+        ("/models/toy/predict", {"content": b"x" * 10_000, "headers": JSON}, 413, ""),
     ],
 )
 def test_bad_requests_get_clear_json_errors(

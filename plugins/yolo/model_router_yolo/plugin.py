@@ -1,0 +1,223 @@
+"""YOLO object detection on ultralytics: a fixed square letterbox on the CPU so any mix of image
+sizes stacks into one batch, then one forward pass and NMS per batch on the device."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, cast
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from router.images import ACCEPTED_MEDIA_TYPES, DEFAULT_MAX_PIXELS, decode_image, example_jpeg
+from router.plugin import MemoryEstimate, ModelPlugin, Payload, PluginContext
+from router.torch_memory import activation_bytes, tensor_bytes
+
+if TYPE_CHECKING:
+    from ultralytics.data.augment import LetterBox
+    from ultralytics.nn.autobackend import AutoBackend
+
+__all__ = ["Letterboxed", "YoloOptions", "YoloPlugin"]
+
+_MODEL_SUFFIXES = (".pt", ".yaml", ".yml")
+_YAML_SEED = 0  # an architecture YAML gets random weights; seed them so replicas agree
+
+
+class YoloOptions(BaseModel):
+    """`options:` of a `plugin: yolo` model."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(description="checkpoint (.pt) in the model store, or an architecture YAML like yolov8n.yaml")
+    imgsz: int = Field(640, description="side of the square network input in pixels, a multiple of 32")
+    conf: float = Field(0.25, ge=0.0, le=1.0, description="minimum detection score")
+    iou: float = Field(0.7, ge=0.0, le=1.0, description="NMS IoU threshold")
+    max_det: int = Field(300, ge=1, description="most detections kept per image")
+    classes: list[int] | None = Field(None, description="keep only these class ids")
+    half: bool = Field(False, description="fp16 weights and inputs; CUDA devices only")
+    labels: list[str] | None = Field(None, description="class names, one per class id; default: the checkpoint's")
+    max_pixels: int = Field(DEFAULT_MAX_PIXELS, ge=1, description="largest accepted input image, in pixels")
+
+    @field_validator("model")
+    @classmethod
+    def _known_suffix(cls, value: str) -> str:
+        if not value.lower().endswith(_MODEL_SUFFIXES):
+            raise ValueError(f"model must be a .pt checkpoint or a .yaml architecture, got {value!r}")
+        return value
+
+    @field_validator("imgsz")
+    @classmethod
+    def _stride_multiple(cls, value: int) -> int:
+        if value < 32 or value % 32:
+            nearest = max(32, round(value / 32) * 32)
+            raise ValueError(f"imgsz must be a positive multiple of 32, got {value}; try {nearest}")
+        return value
+
+    @field_validator("classes")
+    @classmethod
+    def _non_negative(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or min(value) < 0):
+            raise ValueError(f"classes must be a non-empty list of class ids >= 0, got {value}")
+        return value
+
+
+@dataclass(frozen=True)
+class Letterboxed:
+    """One image ready for the network: uint8 RGB (3, imgsz, imgsz), and its original size."""
+
+    pixels: torch.Tensor
+    width: int
+    height: int
+
+
+class YoloPlugin(ModelPlugin[YoloOptions]):
+    """Detection with any ultralytics YOLO detect checkpoint (v5u, v8, 11, ...)."""
+
+    Options: ClassVar[type[BaseModel]] = YoloOptions
+    accepts: ClassVar[tuple[str, ...]] = ACCEPTED_MEDIA_TYPES
+
+    def __init__(self, options: YoloOptions, context: PluginContext) -> None:
+        super().__init__(options, context)
+        self.path = context.resolve_path(options.model)  # a path escaping the store fails here, at start-up
+        self.device = torch.device("cpu")
+        self.names: list[str] = []
+        self._network: AutoBackend | None = None
+        self._letterbox: LetterBox | None = None
+
+    def load(self, device: str) -> None:
+        """Build the network from the checkpoint or YAML, fuse it and move it to `device`."""
+        _offline()
+        from ultralytics.data.augment import LetterBox
+        from ultralytics.nn.autobackend import AutoBackend
+
+        self.device = torch.device(device)
+        if self.options.half and self.device.type != "cuda":
+            raise ValueError(
+                f"model {self.context.model_name!r}: half: true needs a CUDA device, got {device!r}; "
+                "set half: false for CPU instances"
+            )
+        yolo = self._build()
+        network = AutoBackend(yolo.model, device=self.device, fp16=self.options.half, fuse=True, verbose=False)
+        network.eval()
+        stride = int(network.stride)
+        if self.options.imgsz % stride:
+            raise ValueError(f"imgsz {self.options.imgsz} is not a multiple of this model's stride {stride}")
+        self.names = self._class_names(network.names)
+        self._letterbox = LetterBox((self.options.imgsz, self.options.imgsz), auto=False, stride=stride)
+        self._network = network
+
+    def preprocess(self, payload: Payload) -> Letterboxed:
+        """Decode, letterbox to the fixed square input (ultralytics' LetterBox), HWC -> CHW."""
+        if self._letterbox is None:
+            raise RuntimeError(f"model {self.context.model_name!r}: preprocess called before load")
+        rgb = decode_image(payload, max_pixels=self.options.max_pixels)
+        boxed = cast(np.ndarray, self._letterbox(image=rgb))  # image-only calls return the array
+        pixels = torch.from_numpy(boxed.transpose(2, 0, 1).copy())
+        return Letterboxed(pixels=pixels, width=rgb.shape[1], height=rgb.shape[0])
+
+    def predict_batch(self, items: Sequence[Letterboxed]) -> list[torch.Tensor]:
+        """One forward pass and NMS for the batch; each output is an (n, 6) CPU tensor x1 y1 x2 y2 score class."""
+        from ultralytics.utils.nms import non_max_suppression
+
+        network = self._loaded()
+        batch = torch.stack([item.pixels for item in items]).to(self.device)
+        with torch.inference_mode():
+            # Same conversion as ultralytics' predictor: uint8 to the device, then scale there.
+            inputs = (batch.half() if self.options.half else batch.float()).div_(255)
+            raw = network(inputs)
+            detections = non_max_suppression(
+                raw,
+                self.options.conf,
+                self.options.iou,
+                self.options.classes,
+                max_det=self.options.max_det,
+                end2end=bool(getattr(network, "end2end", False)),
+                # ultralytics stops NMS after 2 s + 50 ms per image and leaves the remaining images
+                # with no boxes; the router's execution timeout bounds a batch instead.
+                max_time_img=math.inf,
+            )
+        return [d[:, :6].float().cpu() for d in detections]
+
+    def postprocess(self, output: torch.Tensor, item: Letterboxed) -> dict[str, Any]:
+        """Boxes back in the original image's pixels, with scores and labels."""
+        from ultralytics.utils.ops import scale_boxes
+
+        side = self.options.imgsz
+        boxes = scale_boxes((side, side), output[:, :4].clone(), (item.height, item.width))
+        detections = [
+            {"box": box, "score": score, "class_id": int(cls), "label": self._label(int(cls))}
+            for box, score, cls in zip(boxes.tolist(), output[:, 4].tolist(), output[:, 5].tolist(), strict=True)
+        ]
+        return {"detections": detections, "image": {"width": item.width, "height": item.height}}
+
+    def memory_estimate(self) -> MemoryEstimate:
+        """Weights as loaded; per item the input plus every activation of one forward (an upper bound)."""
+        module: torch.nn.Module = self._loaded().model  # AutoBackend does not register the network as a child
+        weights = tensor_bytes([*module.parameters(), *module.buffers()])
+        dtype = torch.float16 if self.options.half else torch.float32
+        probe = torch.zeros((1, 3, self.options.imgsz, self.options.imgsz), dtype=dtype, device=self.device)
+        inputs = probe.numel() * (1 + probe.element_size())  # the uint8 upload and its float copy
+        return MemoryEstimate(weights_bytes=weights, per_item_bytes=inputs + activation_bytes(module, probe))
+
+    def example_payload(self) -> Payload:
+        return example_jpeg()
+
+    def unload(self) -> None:
+        self._network = None
+        if self.device.type == "cuda" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _build(self) -> Any:
+        """The ultralytics YOLO object for the option `model`; never lets ultralytics download."""
+        from ultralytics import YOLO  # type: ignore[attr-defined]  # lazily re-exported
+
+        if self.path.is_file():
+            source = str(self.path)
+        elif self.path.suffix.lower() in (".yaml", ".yml") and Path(self.options.model).name == self.options.model:
+            source = self.options.model  # an architecture ultralytics ships, e.g. yolov8n.yaml
+        else:
+            # A missing .pt must never reach ultralytics: it would try to download a file of that name.
+            raise FileNotFoundError(
+                f"model file {self.options.model!r} not found in the model store {str(self.context.store_dir)!r} "
+                f"(looked for {str(self.path)!r}); run `model-router store init-demo` for the demo checkpoints"
+            )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(_YAML_SEED)
+            yolo = YOLO(source, verbose=False)
+        if yolo.task != "detect":
+            raise ValueError(f"{self.options.model!r} is a {yolo.task!r} model; the yolo plugin serves 'detect' models")
+        return yolo
+
+    def _class_names(self, names: dict[int, str]) -> list[str]:
+        """Labels from the options, else the checkpoint; check `classes` against them."""
+        count = len(names)
+        labels = list(self.options.labels) if self.options.labels is not None else [names[i] for i in range(count)]
+        if len(labels) != count:
+            raise ValueError(f"labels has {len(labels)} names but the model has {count} classes")
+        if self.options.classes and max(self.options.classes) >= count:
+            raise ValueError(
+                f"classes {self.options.classes} has ids beyond the model's {count} classes (0..{count - 1})"
+            )
+        return labels
+
+    def _label(self, class_id: int) -> str:
+        return self.names[class_id] if 0 <= class_id < len(self.names) else str(class_id)
+
+    def _loaded(self) -> AutoBackend:
+        if self._network is None:
+            raise RuntimeError(f"model {self.context.model_name!r} is not loaded")
+        return self._network
+
+
+def _offline() -> None:
+    """ultralytics probes DNS when imported, downloads missing assets and pip-installs missing
+    packages; a server must do none of that at run time, so default both switches off before the
+    first import (explicit YOLO_OFFLINE / YOLO_AUTOINSTALL values still win)."""
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+    os.environ.setdefault("YOLO_AUTOINSTALL", "false")
+
