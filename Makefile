@@ -38,7 +38,7 @@ $(VENV)/.test: $(VENV)/.serve tests/plugin_dist/pyproject.toml
 	$(PIP) install --quiet -e '.[test]' -e tests/plugin_dist
 	touch $@
 
-$(DEMO): | $(VENV)/.serve
+$(DEMO) &: | $(VENV)/.serve
 	$(BIN)/model-router store init-demo --store model_store
 
 clean:

@@ -80,6 +80,9 @@ def test_deadline_answers_504_on_time_and_never_runs_the_input(tmp_path: Path, r
             async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
                 first = asyncio.create_task(post_json(client, "/models/slow/predict", {"id": "running"}))
                 await asyncio.sleep(0.2)  # the first batch is now running
+                live_started = time.monotonic()
+                live = await client.get("/health/live")
+                assert live.status_code == 200 and time.monotonic() - live_started < 0.1  # not blocked by the batch
                 started = time.monotonic()
                 late = await post_json(client, "/models/slow/predict", {"id": "late"}, **{"X-Timeout-Ms": "200"})
                 elapsed = time.monotonic() - started
