@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import time
@@ -13,17 +12,21 @@ from typing import Any
 
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.datastructures import UploadFile
+from litestar.enums import ScopeType
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
-from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from router import __version__
+from router.auth import Access, AccessPolicy, access_guard
+from router.disconnect import run_unless_disconnected
 from router.errors import InputError, RouterError
+from router.kserve import v2_router
 from router.logs import request_id_var
 from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.plugin import Payload
-from router.runtime import Answer, Runtime
+from router.request_state import mark_received, received_at
+from router.runtime import Runtime
 
 __all__ = ["create_app"]
 
@@ -92,13 +95,14 @@ async def predict(name: str, request: Request[Any, Any, Any]) -> Response[dict[s
     timeout_ms = _number_header(request, "X-Timeout-Ms")
     payload = await _payload(request)
     request.scope["state"]["access"] = {"model": name, "input_bytes": len(payload.body)}
-    answer = await _submit_watching_disconnect(
-        request, runtime.submit(name, payload, priority=priority, timeout_ms=timeout_ms,
-                                request_id=request_id_var.get())
+    answer = await run_unless_disconnected(
+        request.receive, runtime.submit(name, payload, priority=priority, timeout_ms=timeout_ms,
+                                        request_id=request_id_var.get(), received_at=received_at(request))
     )
     request.scope["state"]["access"].update(
         queue_wait_ms=round(answer.queue_wait_s * 1000, 3), batch_size=answer.batch_size,
-        execution_ms=round(answer.execution_s * 1000, 3),
+        execution_ms=round(answer.execution_s * 1000, 3), memory_delta_bytes=answer.memory_delta_bytes,
+        **answer.input_info,
     )
     return Response(
         {
@@ -114,28 +118,6 @@ async def predict(name: str, request: Request[Any, Any, Any]) -> Response[dict[s
     )
 
 
-async def _submit_watching_disconnect(request: Request[Any, Any, Any], work: Any) -> Answer:
-    """Run the submission; if the client disconnects first, cancel it so its input is never run."""
-    task: asyncio.Task[Answer] = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise asyncio.CancelledError("client disconnected")
-    return task.result()
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 @get("/models", summary="All models with state, queue, batching, memory and counters")
 async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
     runtime = _runtime(request)
@@ -147,12 +129,13 @@ async def show_model(name: str, request: Request[Any, Any, Any]) -> dict[str, An
     return _runtime(request).deployment(name).describe()
 
 
-@get("/health/live", summary="The process is up")
+@get("/health/live", summary="The process is up", opt={"access": Access.HEALTH})
 async def live() -> dict[str, str]:
     return {"status": "live"}
 
 
-@get("/health/ready", summary="200 once every required model is loaded and warmed; 503 before and while draining")
+@get("/health/ready", summary="200 once every required model is loaded and warmed; 503 before and while draining",
+     opt={"access": Access.HEALTH})
 async def ready(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     runtime = _runtime(request)
     body = {
@@ -164,7 +147,7 @@ async def ready(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     return Response(body, status_code=200 if runtime.ready else 503)
 
 
-@get("/metrics", media_type=METRICS_CONTENT_TYPE, summary="Prometheus metrics")
+@get("/metrics", media_type=METRICS_CONTENT_TYPE, summary="Prometheus metrics", opt={"access": Access.METRICS})
 async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
     return Response(_runtime(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
@@ -195,7 +178,7 @@ def request_id_middleware(app: ASGIApp) -> ASGIApp:
         incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
         request_id = incoming if REQUEST_ID_PATTERN.match(incoming) else uuid.uuid4().hex
         token = request_id_var.set(request_id)
-        scope.setdefault("state", {})
+        mark_received(scope)
         started = time.perf_counter()
         status = 0
 
@@ -231,7 +214,13 @@ def _access_line(scope: Scope, status: int, seconds: float) -> None:
 # -- the app --------------------------------------------------------------------------------------
 
 
-def create_app(runtime: Runtime, *, max_body_bytes: int = 20 * 1024 * 1024, drain_timeout_s: float = 30.0) -> Litestar:
+def create_app(
+    runtime: Runtime,
+    *,
+    max_body_bytes: int = 20 * 1024 * 1024,
+    drain_timeout_s: float = 30.0,
+    access_policy: AccessPolicy | None = None,
+) -> Litestar:
     """The Litestar app around a runtime. The runtime starts in the lifespan and loads models in the background."""
 
     @asynccontextmanager
@@ -245,13 +234,15 @@ def create_app(runtime: Runtime, *, max_body_bytes: int = 20 * 1024 * 1024, drai
             await runtime.stop()
 
     app = Litestar(
-        route_handlers=[predict, list_models, show_model, live, ready, metrics],
+        route_handlers=[predict, list_models, show_model, live, ready, metrics, v2_router],
         lifespan=[lifespan],
         middleware=[request_id_middleware],
         exception_handlers={Exception: _error_response},
+        guards=[access_guard],
         request_max_body_size=max_body_bytes,
         openapi_config=OpenAPIConfig(title="model-router", version=__version__, path="/schema"),
         logging_config=None,
     )
     app.state.runtime = runtime
+    app.state.access_policy = access_policy or AccessPolicy()
     return app

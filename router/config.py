@@ -284,3 +284,9 @@ class ServerSettings(BaseSettings):
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024)
     drain_timeout_s: float = Field(30.0, ge=0)
     cpu_workers: int = Field(0, ge=0, description="preprocessing threads; 0 = number of CPU cores")
+    api_keys: str | None = Field(None, description="comma-separated bearer keys for inference routes")
+    api_keys_file: Path | None = Field(None, description="a file with one inference key a line")
+    admin_keys: str | None = Field(None, description="comma-separated bearer keys for state-changing routes")
+    admin_keys_file: Path | None = None
+    protect_health: bool = Field(False, description="require a key for /health/* too")
+    protect_metrics: bool = Field(False, description="require a key for /metrics too")

@@ -14,7 +14,7 @@ from router.plugin import MemoryEstimate, ModelPlugin
 from router.queue import ModelQueue
 from router.registry import PluginInfo
 
-__all__ = ["Deployment", "ModelState"]
+__all__ = ["Deployment", "ModelState", "ServiceTime"]
 
 
 class ModelState(enum.Enum):
@@ -24,6 +24,27 @@ class ModelState(enum.Enum):
     DEGRADED = "degraded"  # some instances failed or stalled, at least one serves
     FAILED = "failed"
     STOPPED = "stopped"
+
+
+@dataclass
+class ServiceTime:
+    """Dispatch-to-answer time of a model's requests: a smoothed mean and mean deviation, as TCP
+    estimates round trips. `horizon_s` (mean + 4 deviations) is how long before its deadline a
+    request must be dispatched to be answered in time."""
+
+    mean_s: float = 0.0
+    deviation_s: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        if self.mean_s == 0.0:
+            self.mean_s, self.deviation_s = seconds, seconds / 2
+            return
+        self.deviation_s = 0.75 * self.deviation_s + 0.25 * abs(seconds - self.mean_s)
+        self.mean_s = 0.875 * self.mean_s + 0.125 * seconds
+
+    @property
+    def horizon_s(self) -> float:
+        return self.mean_s + 4 * self.deviation_s
 
 
 @dataclass
@@ -39,6 +60,18 @@ class Deployment:
     estimate: MemoryEstimate | None = None
     max_batch: int = 1
     outcomes: Counter[str] = field(default_factory=Counter)
+    batch_time_s: float = 0.0  # moving average of one batch's execution time
+    service: ServiceTime = field(default_factory=lambda: ServiceTime())
+
+    def predicted_wait_s(self) -> float:
+        """Time until a request queued now would be answered: the batches ahead of it, shared among
+        the instances that serve, then its own dispatch-to-answer time. Zero until observed."""
+        serving = sum(1 for i in self.instances if i.state is InstanceState.READY) or 1
+        batches_ahead = self.queue.occupancy // max(self.max_batch, 1)
+        return batches_ahead / serving * self.batch_time_s + self.service.horizon_s
+
+    def observe_batch_time(self, seconds: float) -> None:
+        self.batch_time_s = seconds if self.batch_time_s == 0.0 else 0.8 * self.batch_time_s + 0.2 * seconds
 
     @property
     def state(self) -> ModelState:

@@ -11,6 +11,7 @@ __all__ = [
     "DeadlineExceeded",
     "DeviceOutOfMemory",
     "ExecutionTimeout",
+    "Forbidden",
     "InputError",
     "ModelError",
     "ModelNotFound",
@@ -21,6 +22,7 @@ __all__ = [
     "QueueFull",
     "RouterError",
     "ShuttingDown",
+    "Unauthorized",
     "UnknownPlugin",
     "UnsupportedMediaType",
 ]
@@ -49,6 +51,17 @@ class PayloadTooLarge(InputError):
 
 class UnsupportedMediaType(InputError):
     status_code = 415
+
+
+class Unauthorized(RouterError):
+    status_code = 401
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail, headers={"WWW-Authenticate": 'Bearer realm="model-router"'})
+
+
+class Forbidden(RouterError):
+    status_code = 403
 
 
 class ModelNotFound(RouterError):

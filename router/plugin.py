@@ -5,7 +5,7 @@ The router creates one plugin object per model instance, so an object serves one
 device and may keep state (the loaded network) on itself.
 
 Required: `load`, `preprocess`, `predict_batch`, `memory_estimate`.
-Optional hooks with defaults: `postprocess`, `example_payload`, `warmup`, `unload`.
+Optional hooks with defaults: `postprocess`, `describe_input`, `example_payload`, `warmup`, `unload`.
 """
 
 from __future__ import annotations
@@ -117,6 +117,10 @@ class ModelPlugin(ABC, Generic[OptionsT]):
         """Turn one output into a JSON-serialisable answer, on the CPU. `item` is what
         `preprocess` returned for the same input."""
         return output
+
+    def describe_input(self, item: Any) -> dict[str, Any]:
+        """A few facts about one prepared input for the request's log line, e.g. the image size."""
+        return {}
 
     def example_payload(self) -> Payload | None:
         """A valid input used for warm-up and memory profiling; None disables both."""

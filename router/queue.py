@@ -136,22 +136,32 @@ class ModelQueue:
 
     def take(self, n: int, now: float) -> list[Ticket]:
         """Dispatch up to n tickets: highest priority first, oldest first within a level."""
+        return self.take_viable(n, now, 0.0)[0]
+
+    def take_viable(self, n: int, now: float, horizon_s: float) -> tuple[list[Ticket], list[Ticket]]:
+        """Like `take`, but tickets whose deadline falls before `now + horizon_s` (the batch would
+        finish too late for them) are withdrawn instead and returned second, to be answered 504."""
         batch: list[Ticket] = []
+        doomed: list[Ticket] = []
         for level in reversed(self._levels):
             while level and len(batch) < n:
                 ticket = level.popleft()
                 if ticket.state is not TicketState.QUEUED:
                     self._dead -= 1
                     continue
+                if horizon_s > 0 and ticket.deadline < now + horizon_s:
+                    ticket.state = TicketState.WITHDRAWN
+                    doomed.append(ticket)
+                    continue
                 ticket.state = TicketState.DISPATCHED
                 ticket.dispatched_at = now
                 batch.append(ticket)
             if len(batch) >= n:
                 break
-        self._live -= len(batch)
-        if batch:
-            self.drain.record(now, len(batch))
-        return batch
+        self._live -= len(batch) + len(doomed)
+        if batch or doomed:
+            self.drain.record(now, len(batch) + len(doomed))
+        return batch, doomed
 
     def oldest_arrival(self) -> float | None:
         """Arrival time of the oldest live ticket: the start of the forming batch's delay."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Collection
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
@@ -30,15 +31,21 @@ class PluginRegistry:
     def __init__(self) -> None:
         self._plugins: dict[str, PluginInfo] = {}
         self._broken: dict[str, str] = {}
+        self._discovered: set[str] = set()  # entry-point names, imported or not
 
     @classmethod
-    def from_entry_points(cls, group: str = ENTRY_POINT_GROUP) -> PluginRegistry:
+    def from_entry_points(cls, group: str = ENTRY_POINT_GROUP, *, only: Collection[str] | None = None) -> PluginRegistry:
+        """Discover the group's plugins; import and validate those named in `only` (all if None).
+        Serving imports only what the fleet uses: the other names are still listed in errors."""
         registry = cls()
-        registry.load_entry_points(group)
+        registry.load_entry_points(group, only=only)
         return registry
 
-    def load_entry_points(self, group: str = ENTRY_POINT_GROUP) -> None:
+    def load_entry_points(self, group: str = ENTRY_POINT_GROUP, *, only: Collection[str] | None = None) -> None:
         for point in entry_points(group=group):
+            self._discovered.add(point.name)
+            if only is not None and point.name not in only:
+                continue
             dist = getattr(point, "dist", None)
             try:
                 target = point.load()
@@ -75,10 +82,15 @@ class PluginRegistry:
         try:
             return self._plugins[name]
         except KeyError:
-            raise UnknownPlugin(name, list(self._plugins), self._broken) from None
+            raise UnknownPlugin(name, self.installed(), self._broken) from None
 
     def names(self) -> list[str]:
+        """Plugins imported and validated."""
         return sorted(self._plugins)
+
+    def installed(self) -> list[str]:
+        """Every plugin name known, whether or not it was imported."""
+        return sorted(set(self._plugins) | self._discovered)
 
     @property
     def broken(self) -> dict[str, str]:

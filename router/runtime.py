@@ -7,13 +7,14 @@ its batch (or its deadline), postprocess. Every accepted request is answered exa
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatch
 from typing import Any, TypeVar
 
@@ -24,6 +25,7 @@ from router.errors import (
     InputError,
     ModelNotFound,
     ModelUnavailable,
+    QueueFull,
     RouterError,
     ShuttingDown,
     UnsupportedMediaType,
@@ -52,6 +54,8 @@ class Answer:
     queue_wait_s: float
     batch_size: int
     execution_s: float
+    memory_delta_bytes: int | None = None
+    input_info: dict[str, Any] = field(default_factory=dict)
 
 
 def outcome_of(error: BaseException) -> str:
@@ -114,10 +118,15 @@ class Runtime:
                 instance = ModelInstance(
                     name, index, device, plugin,
                     execution_timeout_s=config.execution.timeout_ms / 1000.0,
-                    on_batch=self.metrics.observe_batch,
+                    on_batch=self._observe_batch,
                 )
                 deployment.instances.append(instance)
             self.deployments[name] = deployment
+
+    def _observe_batch(self, model: str, size: int, seconds: float) -> None:
+        """After each batch, on the event loop: metrics and the moving batch time used at dispatch."""
+        self.metrics.observe_batch(model, size, seconds)
+        self.deployments[model].observe_batch_time(seconds)
 
     async def start(self) -> None:
         """Start the device schedulers and begin loading models in the background."""
@@ -140,6 +149,9 @@ class Runtime:
 
     async def load_all(self) -> None:
         await asyncio.gather(*(self._load(d) for d in self.deployments.values()))
+        # Everything loaded so far (frameworks, weights) lives as long as the process: keep the
+        # cyclic collector from scanning it, or each full collection stalls the event loop.
+        gc.freeze()
 
     async def wait_loaded(self) -> None:
         if self._load_task is not None:
@@ -209,11 +221,13 @@ class Runtime:
         priority: int | None = None,
         timeout_ms: float | None = None,
         request_id: str | None = None,
+        received_at: float | None = None,
     ) -> Answer:
-        """Run one input through a model. Raises a RouterError subclass on any failure."""
+        """Run one input through a model. Raises a RouterError subclass on any failure.
+        The deadline counts from `received_at` (the runtime's clock) when the caller knows it."""
         deployment = self.deployment(model)
         request_id = request_id or uuid.uuid4().hex
-        started = self.clock()
+        started = self.clock() if received_at is None else min(received_at, self.clock())
         outcome = "error"
         self._inflight += 1
         self._idle.clear()
@@ -242,6 +256,7 @@ class Runtime:
         deadline = started + check_timeout(deployment, timeout_ms)
         plugin = deployment.front
         queue = deployment.queue
+        check_predicted_wait(deployment, deadline - started, started)
         queue.reserve_slot(started)
         try:
             item = await self._before(deadline, deployment, self._on_cpu(plugin.preprocess, payload))
@@ -255,13 +270,16 @@ class Runtime:
         self._tickets.add(ticket)
         try:
             self._notify(deployment)
-            output = await self._await_ticket(deployment, ticket)
+            output = await self._await_ticket(deployment, ticket, deadline - started)
         finally:
             self._tickets.discard(ticket)
         result = await self._on_cpu(plugin.postprocess, output, item)
+        if ticket.dispatched_at is not None:
+            deployment.service.observe(self.clock() - ticket.dispatched_at)
         wait = (ticket.dispatched_at or ticket.arrived_at) - ticket.arrived_at
         self.metrics.queue_wait.labels(deployment.name).observe(wait)
-        return Answer(request_id, deployment.name, result, wait, ticket.batch_size, ticket.execution_s)
+        return Answer(request_id, deployment.name, result, wait, ticket.batch_size, ticket.execution_s,
+                      ticket.memory_delta_bytes, plugin.describe_input(item))
 
     def _check_accepting(self, deployment: Deployment) -> None:
         if self.draining or self._closed:
@@ -270,7 +288,7 @@ class Runtime:
             reason = f": {deployment.error}" if deployment.error else ""
             raise ModelUnavailable(f"model {deployment.name!r} is {deployment.state.value}{reason}", retry_after_s=5.0)
 
-    async def _await_ticket(self, deployment: Deployment, ticket: Ticket) -> Any:
+    async def _await_ticket(self, deployment: Deployment, ticket: Ticket, budget_s: float) -> Any:
         """Wait for the ticket's batch. A ticket still queued at its deadline is withdrawn and gets 504 then."""
         try:
             remaining = max(0.0, ticket.deadline - self.clock())
@@ -278,9 +296,8 @@ class Runtime:
                 return await asyncio.wait_for(asyncio.shield(ticket.future), remaining)
             except TimeoutError:
                 if deployment.queue.withdraw(ticket):
-                    budget_ms = (ticket.deadline - ticket.arrived_at) * 1000.0
                     error = DeadlineExceeded(
-                        f"deadline passed after {budget_ms:.0f} ms in the queue of model {deployment.name!r}; "
+                        f"deadline passed after {budget_s * 1000:.0f} ms in the queue of model {deployment.name!r}; "
                         "the input was not run"
                     )
                     ticket.future.cancel()  # resolved: the error goes to the caller directly
@@ -305,6 +322,18 @@ class Runtime:
             scheduler = self.schedulers.get(device)
             if scheduler is not None:
                 scheduler.notify()
+
+
+def check_predicted_wait(deployment: Deployment, budget_s: float, now: float) -> None:
+    """Refuse at once (503) a request that the work already queued would push past its deadline,
+    rather than queueing it to answer 504 later."""
+    predicted = deployment.predicted_wait_s()
+    if predicted > budget_s:
+        raise QueueFull(
+            f"model {deployment.name!r} is overloaded: about {predicted * 1000:.0f} ms of work is queued, "
+            f"more than this request's {budget_s * 1000:.0f} ms deadline; retry later",
+            retry_after_s=deployment.queue.retry_after_s(now),
+        )
 
 
 def check_media_type(deployment: Deployment, payload: Payload) -> None:

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from router.admission import Candidate, DeviceState, Plan, fits, plan_admission
 from router.config import DeviceConfig
 from router.deployment import Deployment
-from router.instance import ModelInstance
+from router.errors import DeadlineExceeded
+from router.instance import ModelInstance, reject
 from router.ledger import MemoryLedger, Reservation
 from router.probes import MemoryProbe, MemoryReading, ProbeError
 from router.queue import Ticket
@@ -218,7 +219,13 @@ class DeviceScheduler:
         self.last_plan = plan
 
     def _dispatch(self, deployment: Deployment, instance: ModelInstance, size: int, now: float) -> None:
-        tickets = deployment.queue.take(size, now)
+        horizon = deployment.service.horizon_s
+        tickets, doomed = deployment.queue.take_viable(size, now, horizon)
+        for ticket in doomed:  # the answer would come after their deadline: answer now, run nothing
+            reject(ticket, DeadlineExceeded(
+                f"model {deployment.name!r} cannot answer before the deadline (an answer takes about "
+                f"{horizon * 1000:.0f} ms from dispatch); the input was not run"
+            ))
         if not tickets:
             return
         estimate = deployment.estimate
@@ -233,11 +240,22 @@ class DeviceScheduler:
         self, deployment: Deployment, instance: ModelInstance, tickets: list[Ticket], reservation: Reservation
     ) -> None:
         started = self.clock()
+        before = self.last_reading
         try:
             await instance.execute(tickets)
+            self._record_memory_change(tickets, before)  # before the callers resume: no await in between
             await instance.wait_idle()  # a stalled batch keeps its memory until its thread returns
         finally:
             self.ledger.release(reservation)
             instance.busy = False
             self._served_s[deployment.name] += self.clock() - started
             self.notify()
+
+    def _record_memory_change(self, tickets: list[Ticket], before: MemoryReading | None) -> None:
+        """Device memory used after the batch minus before it, for each ticket's log line."""
+        if self.probe is None or before is None:
+            return
+        after = self._read()
+        if after is not None:
+            for ticket in tickets:
+                ticket.memory_delta_bytes = after.used_bytes - before.used_bytes

@@ -1,0 +1,34 @@
+"""Cancelling work whose HTTP client went away, so its inputs are dropped before their batch runs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from litestar.types import Receive
+
+__all__ = ["run_unless_disconnected"]
+
+T = TypeVar("T")
+
+
+async def run_unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise CancelledError.
+    Call only after the request body has been read: `receive` then yields nothing but the disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise asyncio.CancelledError("client disconnected")
+    return task.result()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

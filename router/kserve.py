@@ -1,0 +1,253 @@
+"""Open Inference Protocol (KServe V2 REST, Triton's HTTP API) on the router's queues, batching and budget.
+
+Handlers only decode, submit, await and encode; the V2 codec is `router.kserve_codec`. Errors on
+these routes answer in the V2 shape `{"error": "..."}` through this router's own exception
+handler (`encode_error` holds the mapping); the native routes keep `{"detail": ...}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+import zlib
+from collections.abc import Sequence
+from typing import Any, Final
+
+from litestar import MediaType, Request, Response, Router, get, post
+
+from router import __version__
+from router.auth import Access
+from router.deployment import Deployment, ModelState
+from router.disconnect import run_unless_disconnected
+from router.errors import InputError, ModelNotFound, PayloadTooLarge, RouterError, UnsupportedMediaType
+from router.kserve_codec import (
+    HEADER_LENGTH,
+    MODEL_VERSION,
+    InferRequest,
+    ItemFailed,
+    NotSupported,
+    RequestedOutput,
+    decode_request,
+    encode_error,
+    encode_response,
+    router_priority,
+    select_outputs,
+    signature,
+    to_payloads,
+)
+from router.logs import request_id_var
+from router.plugin import Payload
+from router.request_state import received_at
+from router.runtime import Answer, Runtime
+
+__all__ = ["v2_router"]
+
+log = logging.getLogger("router.kserve")
+EXTENSIONS: Final = ["binary_tensor_data", "model_repository"]
+DEFAULT_BODY_LIMIT: Final = 20 * 1024 * 1024
+#: Triton's model states, from the router's.
+_TRITON_STATES: Final = {
+    ModelState.READY: "READY", ModelState.DEGRADED: "READY", ModelState.PENDING: "LOADING",
+    ModelState.LOADING: "LOADING", ModelState.FAILED: "UNAVAILABLE", ModelState.STOPPED: "UNAVAILABLE",
+}
+
+
+def _runtime(request: Request[Any, Any, Any]) -> Runtime:
+    runtime: Runtime = request.app.state.runtime
+    return runtime
+
+
+def _deployment(request: Request[Any, Any, Any], name: str, version: str | None) -> Deployment:
+    deployment = _runtime(request).deployment(name)
+    if version is not None and version != MODEL_VERSION:
+        raise ModelNotFound(f"model {name!r} has no version {version!r}; versions: {MODEL_VERSION}")
+    return deployment
+
+
+def _status(ok: bool) -> Response[bytes]:
+    """Triton's health answers: an empty body, 200 when true and 400 when not."""
+    return Response(b"", status_code=200 if ok else 400, media_type=MediaType.TEXT)
+
+
+# -- server and model metadata --------------------------------------------------------------------
+
+
+@get("/", summary="V2 server metadata")
+async def server_metadata() -> dict[str, Any]:
+    return {"name": "model-router", "version": __version__, "extensions": EXTENSIONS}
+
+
+@get("/health/live", summary="V2 liveness: 200 while the process is up", opt={"access": Access.HEALTH})
+async def server_live() -> Response[bytes]:
+    return _status(True)
+
+
+@get("/health/ready", summary="V2 readiness: 200 once every required model serves, 400 before and while draining",
+     opt={"access": Access.HEALTH})
+async def server_ready(request: Request[Any, Any, Any]) -> Response[bytes]:
+    return _status(_runtime(request).ready)
+
+
+@get(["/models/{name:str}", "/models/{name:str}/versions/{version:str}"], summary="V2 model metadata")
+async def model_metadata(name: str, request: Request[Any, Any, Any], version: str | None = None) -> dict[str, Any]:
+    deployment = _deployment(request, name, version)
+    return {
+        "name": name,
+        "versions": [MODEL_VERSION],
+        "platform": f"model-router/{deployment.plugin.name}",
+        **signature(deployment.plugin.cls.accepts).metadata(),
+    }
+
+
+@get(["/models/{name:str}/ready", "/models/{name:str}/versions/{version:str}/ready"], summary="V2 model readiness")
+async def model_ready(name: str, request: Request[Any, Any, Any], version: str | None = None) -> Response[bytes]:
+    return _status(_deployment(request, name, version).serving)
+
+
+# -- inference ------------------------------------------------------------------------------------
+
+
+@post(["/models/{name:str}/infer", "/models/{name:str}/versions/{version:str}/infer"], status_code=200,
+      summary="V2 inference: each item of the batch goes through the model's queue and batcher")
+async def infer(name: str, request: Request[Any, Any, Any], version: str | None = None) -> Response[bytes]:
+    """JSON tensors or Triton's binary tensor data extension. Parameters: `timeout` (us), `priority` (1 highest)."""
+    runtime = _runtime(request)
+    deployment = _deployment(request, name, version)  # 404 before reading the body
+    body = _decompress(await request.body(), request.headers.get("content-encoding"), _body_limit(request))
+    decoded, outputs, payloads = await asyncio.to_thread(_decode, deployment, body, request.headers.get(HEADER_LENGTH))
+    priority = router_priority(decoded.priority, deployment.config.queue.priority_levels)
+    request.scope["state"]["access"] = {"model": name, "input_bytes": len(body), "items": len(payloads)}
+    work = _submit_all(runtime, name, payloads, priority, decoded.timeout_ms, received_at(request))
+    answers = await run_unless_disconnected(request.receive, work)
+    content, header_length = encode_response(name, decoded, outputs, [answer.output for answer in answers])
+    if header_length is None:
+        return Response(content, media_type=MediaType.JSON)
+    return Response(content, media_type="application/octet-stream", headers={HEADER_LENGTH: str(header_length)})
+
+
+def _decode(
+    deployment: Deployment, body: bytes, header_length: str | None
+) -> tuple[InferRequest, Sequence[RequestedOutput], list[Payload]]:
+    """The CPU part of decoding (JSON, tensors, images), run off the event loop."""
+    decoded = decode_request(body, header_length)
+    sig = signature(deployment.plugin.cls.accepts)
+    return decoded, select_outputs(decoded, sig), to_payloads(decoded, deployment.name, sig)
+
+
+async def _submit_all(
+    runtime: Runtime, model: str, payloads: Sequence[Payload], priority: int | None, timeout_ms: float | None,
+    arrived: float | None,
+) -> list[Answer]:
+    """Submit every item at once so they share the queue and the batcher; answers in item order.
+
+    The first failure (in item order) answers the request, and the remaining items are cancelled."""
+    base = request_id_var.get() or uuid.uuid4().hex
+    ids = [base] if len(payloads) == 1 else [f"{base}.{i}" for i in range(len(payloads))]
+    tasks = [
+        asyncio.ensure_future(runtime.submit(model, p, priority=priority, timeout_ms=timeout_ms, request_id=rid,
+                                            received_at=arrived))
+        for p, rid in zip(payloads, ids, strict=True)
+    ]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((i for i, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception()), None)
+    finally:
+        for task in tasks:
+            task.cancel()  # a no-op for finished ones
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if failed is not None:
+        error = tasks[failed].exception()
+        assert error is not None
+        if len(tasks) > 1 and isinstance(error, RouterError):
+            raise ItemFailed(failed, len(tasks), error) from error  # not by editing it: a batch shares its error
+        raise error
+    return [task.result() for task in tasks]
+
+
+
+
+def _body_limit(request: Request[Any, Any, Any]) -> int:
+    limit = getattr(request.app, "request_max_body_size", None)
+    return int(limit) if limit else DEFAULT_BODY_LIMIT
+
+
+def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """A gzip or deflate request body (tritonclient's request_compression_algorithm), inflated up to `limit`."""
+    name = (encoding or "identity").strip().lower()
+    if name == "identity":
+        return body
+    wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(name)
+    if wbits is None:
+        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported; accepted: gzip, deflate, identity")
+    inflater = zlib.decompressobj(wbits)
+    try:
+        data = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise InputError(f"the {name} request body is corrupt: {exc}") from None
+    if len(data) > limit:
+        raise PayloadTooLarge(f"the {name} request body inflates to more than {limit} bytes")
+    if not inflater.eof:
+        raise InputError(f"the {name} request body is truncated")
+    return data
+
+
+# -- the repository extension ---------------------------------------------------------------------
+
+
+@post("/repository/index", status_code=200, summary="V2 repository index: every model and its state")
+async def repository_index(request: Request[Any, Any, Any]) -> list[dict[str, str]]:
+    ready_only = _ready_flag(await request.body())
+    entries = []
+    for name, deployment in _runtime(request).deployments.items():
+        state = _TRITON_STATES[deployment.state]
+        if ready_only and state != "READY":
+            continue
+        entries.append({"name": name, "version": MODEL_VERSION, "state": state, "reason": deployment.error or ""})
+    return entries
+
+
+def _ready_flag(body: bytes) -> bool:
+    if not body.strip():
+        return False
+    try:
+        parsed = json.loads(body)
+    except ValueError as exc:
+        raise InputError(f"the repository index request must be JSON like {{\"ready\": true}}: {exc}") from None
+    ready = parsed.get("ready", False) if isinstance(parsed, dict) else None
+    if not isinstance(ready, bool):
+        raise InputError(f"the repository index request must be JSON like {{\"ready\": true}}, got {body[:80]!r}")
+    return ready
+
+
+@post(["/repository/models/{name:str}/load", "/repository/models/{name:str}/unload"], status_code=200,
+      summary="V2 model load and unload: not supported yet", opt={"access": Access.ADMIN})
+async def load_or_unload(name: str, request: Request[Any, Any, Any]) -> None:
+    _runtime(request).deployment(name)  # an unknown model is still a 404
+    raise NotSupported(
+        "loading and unloading models through the repository API is not supported yet; "
+        "the fleet file decides which models are served"
+    )
+
+
+# -- errors and the router ------------------------------------------------------------------------
+
+
+def _v2_error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, str]]:
+    """Every error on a V2 route as `{"error": ...}`, with the status and headers `encode_error` maps."""
+    mapped = encode_error(exc)
+    if mapped is None:
+        log.error("unhandled error", exc_info=exc)
+        mapped = (500, {"error": "internal server error"}, {})
+    status, body, headers = mapped
+    return Response(body, status_code=status, headers=headers, media_type=MediaType.JSON)
+
+
+v2_router = Router(
+    path="/v2",
+    route_handlers=[server_metadata, server_live, server_ready, model_metadata, model_ready, infer,
+                    repository_index, load_or_unload],
+    exception_handlers={Exception: _v2_error_response},
+    tags=["Open Inference Protocol (V2)"],
+)

@@ -1,0 +1,22 @@
+"""Per-request facts the ASGI middleware records in the scope for the handlers."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from litestar import Request
+from litestar.types import Scope
+
+__all__ = ["mark_received", "received_at"]
+
+
+def mark_received(scope: Scope) -> None:
+    """Stamp when the request reached the app, so its deadline counts from there."""
+    scope.setdefault("state", {})["received_at"] = time.monotonic()
+
+
+def received_at(request: Request[Any, Any, Any]) -> float | None:
+    """When the request reached the app (time.monotonic), if the middleware stamped it."""
+    stamp = request.scope.get("state", {}).get("received_at")
+    return float(stamp) if stamp is not None else None

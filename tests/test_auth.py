@@ -1,0 +1,95 @@
+"""Access control: key parsing, the policy's decisions, and a real server with keys set."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from router.auth import Access, AccessPolicy, read_keys
+from router.errors import ConfigError, Forbidden, Unauthorized
+from tests.conftest import serve
+
+PREDICT = "p" * 20
+ADMIN = "a" * 24
+
+
+def policy(**kwargs: bool) -> AccessPolicy:
+    return AccessPolicy(predict_keys=(PREDICT.encode(),), admin_keys=(ADMIN.encode(),), **kwargs)
+
+
+def test_keys_from_value_and_file(tmp_path: Path) -> None:
+    secret = tmp_path / "keys"
+    secret.write_text(f"# rotated 2026-11\n{'k' * 16}\n\n  {'m' * 17}  \n", encoding="utf-8")
+    assert read_keys(f"{'x' * 16}, {'y' * 16}", secret, "KEYS") == (b"x" * 16, b"y" * 16, b"k" * 16, b"m" * 17)
+    assert read_keys(None, None, "KEYS") == ()
+
+
+@pytest.mark.parametrize(("inline", "file", "words"), [
+    ("short", None, "at least 16 characters"),
+    (None, Path("/nonexistent/keys"), "KEYS_FILE: cannot read"),
+])
+def test_bad_keys_are_configuration_errors(inline: str | None, file: Path | None, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        read_keys(inline, file, "KEYS")
+
+
+def test_without_keys_everything_is_open() -> None:
+    for access in Access:
+        AccessPolicy().check(access, None)
+
+
+@pytest.mark.parametrize("access", [Access.PREDICT, Access.ADMIN])
+@pytest.mark.parametrize("header", [None, "", "Bearer", f"Basic {PREDICT}", "Bearer wrong-key-of-some-length", f"bearer {PREDICT}x"])
+def test_missing_or_wrong_keys_are_401(access: Access, header: str | None) -> None:
+    with pytest.raises(Unauthorized) as error:
+        policy().check(access, header)
+    assert error.value.status_code == 401 and error.value.headers["WWW-Authenticate"].startswith("Bearer")
+
+
+def test_inference_key_cannot_change_state() -> None:
+    policy().check(Access.PREDICT, f"Bearer {PREDICT}")
+    with pytest.raises(Forbidden) as error:
+        policy().check(Access.ADMIN, f"Bearer {PREDICT}")
+    assert error.value.status_code == 403
+
+
+def test_admin_key_grants_everything() -> None:
+    for access in Access:
+        policy(protect_health=True, protect_metrics=True).check(access, f"bearer  {ADMIN}")
+
+
+def test_health_and_metrics_are_open_unless_protected() -> None:
+    policy().check(Access.HEALTH, None)
+    policy().check(Access.METRICS, None)
+    with pytest.raises(Unauthorized):
+        policy(protect_health=True).check(Access.HEALTH, None)
+    with pytest.raises(Unauthorized):
+        policy(protect_metrics=True).check(Access.METRICS, None)
+
+
+@pytest.mark.e2e
+def test_a_server_with_keys(tmp_path: Path) -> None:
+    keys = tmp_path / "admin-keys"
+    keys.write_text(ADMIN + "\n", encoding="utf-8")
+    env = {"MODEL_ROUTER_API_KEYS": PREDICT, "MODEL_ROUTER_ADMIN_KEYS_FILE": str(keys),
+           "MODEL_ROUTER_PROTECT_METRICS": "true"}
+    with serve(tmp_path, "models:\n  m: {plugin: scripted}\n", env=env) as server:
+        url = server.url + "/models/m/predict"
+        anonymous = httpx.post(url, json={"id": "a"})
+        wrong = httpx.post(url, json={"id": "b"}, headers={"Authorization": "Bearer not-the-right-key!"})
+        right = httpx.post(url, json={"id": "c"}, headers={"Authorization": f"Bearer {PREDICT}"})
+        admin = httpx.post(url, json={"id": "d"}, headers={"Authorization": f"Bearer {ADMIN}"})
+        health = httpx.get(server.url + "/health/ready")
+        metrics = httpx.get(server.url + "/metrics")
+        metrics_with_key = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {PREDICT}"})
+        listing = httpx.get(server.url + "/models")
+        log = server.log()
+    assert anonymous.status_code == wrong.status_code == 401
+    assert "Bearer" in anonymous.headers["www-authenticate"] and "API key" in anonymous.json()["detail"]
+    assert right.status_code == admin.status_code == 200
+    assert health.status_code == 200
+    assert metrics.status_code == 401 and metrics_with_key.status_code == 200
+    assert listing.status_code == 401
+    assert PREDICT not in log and ADMIN not in log  # keys never reach the logs
