@@ -30,8 +30,9 @@ $(VENV)/.torch: | $(BIN)/python
 	$(PIP) install --quiet $(TORCH)
 	touch $@
 
-$(VENV)/.serve: $(VENV)/.torch pyproject.toml plugins/yolo/pyproject.toml plugins/resnet/pyproject.toml
-	$(PIP) install --quiet -e . -e plugins/yolo -e plugins/resnet
+$(VENV)/.serve: $(VENV)/.torch pyproject.toml plugins/yolo/pyproject.toml plugins/resnet/pyproject.toml \
+		plugins/onnx/pyproject.toml plugins/tensorrt/pyproject.toml
+	$(PIP) install --quiet -e . -e plugins/yolo -e plugins/resnet -e plugins/onnx -e plugins/tensorrt
 	touch $@
 
 $(VENV)/.test: $(VENV)/.serve tests/plugin_dist/pyproject.toml

@@ -1,14 +1,16 @@
-"""The `model-router` command: serve, check, plugins, store."""
+"""The `model-router` command: serve, check, plugins, store, export."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import sys
 from pathlib import Path
 
+from router.auth import AccessPolicy, read_keys
 from router.config import ServerSettings, load_fleet
 from router.errors import ConfigError
 from router.plan import FleetPlan, resolve_fleet
@@ -22,7 +24,9 @@ log = logging.getLogger("router.cli")
 def build_plan(config_path: Path, registry: PluginRegistry | None = None) -> FleetPlan:
     """Parse and resolve a fleet file; raises ConfigError naming file, key, value and what is accepted."""
     fleet = load_fleet(config_path)
-    return resolve_fleet(fleet, registry or PluginRegistry.from_entry_points(), str(config_path))
+    if registry is None:
+        registry = PluginRegistry.from_entry_points(only={model.plugin for model in fleet.models.values()})
+    return resolve_fleet(fleet, registry, str(config_path))
 
 
 def _settings(args: argparse.Namespace) -> ServerSettings:
@@ -42,17 +46,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level)
     try:
         plan = build_plan(settings.config)
+        policy = access_policy(settings)
     except ConfigError as exc:
         print(f"model-router: {exc}", file=sys.stderr)
         return 2
     runtime = Runtime(plan, cpu_workers=settings.cpu_workers)
-    app = create_app(runtime, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s)
+    app = create_app(runtime, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
+                     access_policy=policy)
+    if policy.enabled:
+        log.info("API keys required: %d inference key(s), %d admin key(s)", len(policy.predict_keys), len(policy.admin_keys))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=5, access_log=False)
     server = DrainingServer(config, runtime, settings.drain_timeout_s)
     log.info("serving %s on http://%s:%d", settings.config, settings.host, settings.port)
     server.run()
     return 0
+
+
+def access_policy(settings: ServerSettings) -> AccessPolicy:
+    return AccessPolicy(
+        predict_keys=read_keys(settings.api_keys, settings.api_keys_file, "MODEL_ROUTER_API_KEYS"),
+        admin_keys=read_keys(settings.admin_keys, settings.admin_keys_file, "MODEL_ROUTER_ADMIN_KEYS"),
+        protect_health=settings.protect_health,
+        protect_metrics=settings.protect_metrics,
+    )
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -90,6 +107,33 @@ def cmd_store_init_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """Export a fleet model to ONNX (and a TensorRT engine); the work lives in the onnx plugin package."""
+    try:  # an optional plugin package: the core works without it
+        exporter = importlib.import_module("model_router_onnx.export")
+    except ImportError as exc:
+        print(f"model-router: export needs the onnx plugin: pip install -e plugins/onnx (model-router-onnx); {exc}",
+              file=sys.stderr)
+        return 1
+    try:
+        plan = build_plan(args.config)
+    except ConfigError as exc:
+        print(f"model-router: {exc}", file=sys.stderr)
+        return 2
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        paths = exporter.export_model(plan, args.model, fmt=args.format, fp16=args.fp16, out=args.out, progress=progress)
+    except exporter.ExportError as exc:
+        print(f"model-router: {exc}", file=sys.stderr)
+        return 1
+    for path in paths:
+        print(path)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="model-router", description=__doc__)
     sub = root.add_subparsers(dest="command", required=True)
@@ -109,6 +153,14 @@ def parser() -> argparse.ArgumentParser:
     demo.add_argument("--store", default="model_store")
     demo.add_argument("--force", action="store_true", help="rebuild files that exist")
     demo.set_defaults(func=cmd_store_init_demo)
+    export = sub.add_parser("export", help="export a fleet model to ONNX, and to TensorRT where available")
+    export.add_argument("--config", type=Path, default=Path(os.environ.get("MODEL_ROUTER_CONFIG", "config/fleet.yaml")))
+    export.add_argument("--model", required=True, help="a model of the fleet (plugin yolo or resnet)")
+    export.add_argument("--format", choices=("auto", "onnx", "tensorrt"), default="auto",
+                        help="auto: ONNX, plus an engine where TensorRT and a GPU are present")
+    export.add_argument("--fp16", action="store_true", help="build the TensorRT engine with fp16 kernels")
+    export.add_argument("--out", type=Path, help="ONNX path (default: MODEL_STORE/MODEL.onnx); the engine goes beside it")
+    export.set_defaults(func=cmd_export)
     return root
 
 

@@ -20,7 +20,6 @@ from router.errors import (
     DeviceOutOfMemory,
     ExecutionTimeout,
     ModelError,
-    RouterError,
 )
 from router.plugin import MemoryEstimate, ModelPlugin
 from router.queue import Ticket
@@ -173,7 +172,7 @@ class ModelInstance:
             self.state = InstanceState.STALLED
             log.error("model %s instance %d: batch exceeded %.3fs; instance fenced until it returns",
                       self.model, self.index, self.execution_timeout_s)
-            inflight.add_done_callback(lambda _: loop.call_soon_threadsafe(self._recover))
+            inflight.add_done_callback(lambda _: _call_soon(loop, self._recover))
             raise ExecutionTimeout(
                 f"model {self.model!r} execution exceeded its timeout of {self.execution_timeout_s:.3f}s"
             ) from None
@@ -194,8 +193,10 @@ class ModelInstance:
             await self.call(torch.cuda.empty_cache)
 
 
-def error_of(exc: BaseException) -> RouterError:
-    """Any exception as the RouterError a caller sees."""
-    if isinstance(exc, RouterError):
-        return exc
-    return ModelError(f"{type(exc).__name__}: {exc}")
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
+    """Schedule from another thread; a loop already closed (the service stopped) is ignored."""
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:
+        pass
+

@@ -77,7 +77,8 @@ async def _warm_up(deployment: Deployment, instance: ModelInstance, estimate: Me
     config, name, plugin = deployment.config, deployment.name, instance.plugin
     if not config.warmup.enabled:
         return estimate
-    if instance.device.startswith("cuda") and config.memory.profile and estimate.source != "declared":
+    profile = config.memory.profile and type(plugin).torch_memory and estimate.source != "declared"
+    if instance.device.startswith("cuda") and profile:
 
         def progress(step: int, total: int, size: int) -> None:
             log.info("model %s: profiling memory %d/%d (batch %d)", name, step, total, size, extra={"model": name})

@@ -92,6 +92,9 @@ class ModelPlugin(ABC, Generic[OptionsT]):
     Options: ClassVar[type[BaseModel]] = NoOptions
     #: Media types `preprocess` understands; `image/*` style wildcards are allowed.
     accepts: ClassVar[tuple[str, ...]] = ("image/*",)
+    #: Whether torch's CUDA allocator holds this plugin's memory, so warm-up can profile it with
+    #: torch.cuda.max_memory_allocated. Plugins on other runtimes (onnxruntime, TensorRT) set False.
+    torch_memory: ClassVar[bool] = True
 
     def __init__(self, options: OptionsT, context: PluginContext) -> None:
         self.options = options

@@ -41,7 +41,9 @@ def test_without_keys_everything_is_open() -> None:
 
 
 @pytest.mark.parametrize("access", [Access.PREDICT, Access.ADMIN])
-@pytest.mark.parametrize("header", [None, "", "Bearer", f"Basic {PREDICT}", "Bearer wrong-key-of-some-length", f"bearer {PREDICT}x"])
+@pytest.mark.parametrize(
+    "header", [None, "", "Bearer", f"Basic {PREDICT}", "Bearer wrong-key-of-some-length", f"bearer {PREDICT}x"]
+)
 def test_missing_or_wrong_keys_are_401(access: Access, header: str | None) -> None:
     with pytest.raises(Unauthorized) as error:
         policy().check(access, header)

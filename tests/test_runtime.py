@@ -348,3 +348,39 @@ async def test_models_sharing_a_device_get_time_in_proportion_to_their_weight(tm
     first = [r["model"] for r in rows[:24]]  # both queues are still full here
     assert 15 <= first.count("heavy") <= 21, first
     assert all(a["end"] <= b["start"] for a, b in zip(rows, rows[1:])), "batches over budget overlapped"
+
+
+async def test_requests_queued_behind_a_hung_batch_get_504_at_their_deadline(tmp_path: Path) -> None:
+    fleet = """
+models:
+  m:
+    plugin: scripted
+    options: {hang_on: "hang", hang_ms: 3000}
+    batch: {max_size: 1}
+    execution: {timeout_ms: 100}
+"""
+    async with running(make_runtime(tmp_path, fleet)) as runtime:
+        hung = asyncio.create_task(runtime.submit("m", ask("hang")))
+        await asyncio.sleep(0.02)
+        started = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            await runtime.submit("m", ask("behind"), timeout_ms=300)
+        waited = time.monotonic() - started
+        with pytest.raises(ExecutionTimeout):
+            await hung
+        assert 0.25 < waited < 0.6
+        assert runtime.deployments["m"].state.value == "degraded"  # fenced, visible in /models
+        assert "behind" not in [i for b in executed(runtime, "m") for i in b]
+
+
+async def test_readiness_follows_the_required_flag(tmp_path: Path) -> None:
+    fleet = """
+models:
+  good: {plugin: scripted}
+  bad: {plugin: scripted, options: {load_error: "no weights"}, required: %s}
+"""
+    for required, ready in (("false", True), ("true", False)):
+        async with running(make_runtime(tmp_path, fleet % required)) as runtime:
+            assert runtime.ready is ready
+            assert runtime.deployments["bad"].state.value == "failed"
+            assert (await runtime.submit("good", ask("x"))).output["id"] == "x"

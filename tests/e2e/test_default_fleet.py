@@ -13,6 +13,7 @@ import pytest
 
 from router.store import init_demo
 from tests.conftest import REPO, RouterProcess, free_port, serve
+from tests.test_images import png_header
 
 pytestmark = pytest.mark.e2e
 
@@ -75,7 +76,8 @@ def test_both_models_answer_real_images(server: RouterProcess, filename: str, me
 def test_bad_images_are_refused_and_the_models_keep_serving(server: RouterProcess) -> None:
     jpeg = (EXAMPLES / "street.jpg").read_bytes()
     cases = [(jpeg[: len(jpeg) // 2], "image/jpeg", 400), (b"GIF89a" + b"\0" * 64, "image/gif", 415),
-             (b"not an image at all", "image/png", 400)]
+             (b"not an image at all", "image/png", 400), (b"", "image/jpeg", 400),
+             (png_header(100_000, 100_000), "image/png", 413)]  # a pixel bomb: 30 GB if decoded
     for body, media_type, status in cases:
         response = httpx.post(server.url + "/models/resnet18/predict", content=body,
                               headers={"content-type": media_type}, timeout=60)

@@ -1,5 +1,6 @@
 """model-router plugin `resnet`: image classification with torchvision ResNets."""
 
-from model_router_resnet.plugin import ARCHS, ResNetOptions, ResNetPlugin, TopK
+from model_router_resnet.plugin import ARCHS, ResNetOptions, ResNetPlugin
+from model_router_resnet.processing import ClassifyProcessing, TopK
 
-__all__ = ["ARCHS", "ResNetOptions", "ResNetPlugin", "TopK"]
+__all__ = ["ARCHS", "ClassifyProcessing", "ResNetOptions", "ResNetPlugin", "TopK"]

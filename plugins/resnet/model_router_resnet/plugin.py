@@ -2,30 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 import torchvision
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms import functional as TF
 
-from router.images import ACCEPTED_MEDIA_TYPES, DEFAULT_MAX_PIXELS, decode_image, example_jpeg
+from model_router_resnet.processing import CROP, ClassifyProcessing, TopK
+from router.images import ACCEPTED_MEDIA_TYPES, DEFAULT_MAX_PIXELS, example_jpeg
 from router.plugin import MemoryEstimate, ModelPlugin, Payload, PluginContext
 from router.torch_memory import activation_bytes, tensor_bytes
 
 __all__ = ["ARCHS", "ResNetOptions", "ResNetPlugin", "TopK"]
 
 ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
-# torchvision's ResNet*_Weights.IMAGENET1K_V1.transforms(): the tests hold us to it.
-RESIZE = 256
-CROP = 224
-MEAN = (0.485, 0.456, 0.406)
-STD = (0.229, 0.224, 0.225)
 
 
 class ResNetOptions(BaseModel):
@@ -48,14 +42,6 @@ class ResNetOptions(BaseModel):
         return value
 
 
-@dataclass(frozen=True)
-class TopK:
-    """One image's answer before formatting: probabilities and class ids, most likely first."""
-
-    scores: torch.Tensor
-    class_ids: torch.Tensor
-
-
 class ResNetPlugin(ModelPlugin[ResNetOptions]):
     """Image classification with a torchvision ResNet and a state dict from the model store."""
 
@@ -70,8 +56,8 @@ class ResNetPlugin(ModelPlugin[ResNetOptions]):
         self.device = torch.device("cpu")
         self.labels: list[str] = []
         self._network: torch.nn.Module | None = None
-        self._mean = torch.tensor(MEAN).view(3, 1, 1)
-        self._std = torch.tensor(STD).view(3, 1, 1)
+        # Labels are known after load; preprocessing works before it.
+        self.processing = ClassifyProcessing(top_k=options.top_k, max_pixels=options.max_pixels)
 
     def load(self, device: str) -> None:
         """Build the architecture sized by the state dict's `fc` layer, load the weights, move to `device`."""
@@ -94,35 +80,28 @@ class ResNetPlugin(ModelPlugin[ResNetOptions]):
         if self.options.top_k > num_classes:
             raise ValueError(f"top_k {self.options.top_k} is more than the model's {num_classes} classes")
         self.labels = self._read_labels(num_classes)
+        self.processing = dataclasses.replace(self.processing, labels=tuple(self.labels))
         network.eval().to(self.device)
         self._network = network.half() if self.options.half else network
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The loaded torch network, e.g. for export."""
+        return self._loaded()
+
     def preprocess(self, payload: Payload) -> torch.Tensor:
         """Decode, resize the short side to 256, centre-crop 224, scale to [0, 1], normalise: (3, 224, 224) float."""
-        rgb = decode_image(payload, max_pixels=self.options.max_pixels)
-        image: torch.Tensor = torch.from_numpy(rgb).permute(2, 0, 1)
-        image = TF.resize(image, [RESIZE], interpolation=InterpolationMode.BILINEAR, antialias=True)
-        image = TF.center_crop(image, [CROP])
-        image = TF.convert_image_dtype(image, torch.float)
-        return (image - self._mean) / self._std
+        return self.processing.preprocess(payload)
 
     def predict_batch(self, items: Sequence[torch.Tensor]) -> list[TopK]:
         """One forward pass; softmax in fp32 and top-k on the device, results on the CPU."""
         network = self._loaded()
-        batch = torch.stack(list(items)).to(self.device)
         with torch.inference_mode():
-            logits = network(batch.half() if self.options.half else batch)
-            scores, class_ids = logits.float().softmax(dim=1).topk(self.options.top_k, dim=1)
-        scores, class_ids = scores.cpu(), class_ids.cpu()
-        return [TopK(scores=s, class_ids=c) for s, c in zip(scores, class_ids, strict=True)]
+            logits = network(self.processing.network_input(items, self.device, half=self.options.half))
+            return self.processing.decode(logits)
 
     def postprocess(self, output: TopK, item: torch.Tensor) -> dict[str, Any]:
-        return {
-            "top_k": [
-                {"class_id": class_id, "label": self.labels[class_id], "score": score}
-                for class_id, score in zip(output.class_ids.tolist(), output.scores.tolist(), strict=True)
-            ]
-        }
+        return self.processing.postprocess(output, item)
 
     def memory_estimate(self) -> MemoryEstimate:
         """Weights as loaded; per item the input plus every activation of one forward (an upper bound)."""

@@ -1,5 +1,6 @@
 """model-router plugin `yolo`: object detection with ultralytics YOLO checkpoints."""
 
-from model_router_yolo.plugin import Letterboxed, YoloOptions, YoloPlugin
+from model_router_yolo.plugin import YoloOptions, YoloPlugin
+from model_router_yolo.processing import DetectSettings, Letterboxed, YoloProcessing
 
-__all__ = ["Letterboxed", "YoloOptions", "YoloPlugin"]
+__all__ = ["DetectSettings", "Letterboxed", "YoloOptions", "YoloPlugin", "YoloProcessing"]

@@ -3,23 +3,20 @@ sizes stacks into one batch, then one forward pass and NMS per batch on the devi
 
 from __future__ import annotations
 
-import math
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar
 
-import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from router.images import ACCEPTED_MEDIA_TYPES, DEFAULT_MAX_PIXELS, decode_image, example_jpeg
+from model_router_yolo.processing import DetectSettings, Letterboxed, YoloProcessing
+from model_router_yolo.processing import offline as _offline
+from router.images import ACCEPTED_MEDIA_TYPES, DEFAULT_MAX_PIXELS, example_jpeg
 from router.plugin import MemoryEstimate, ModelPlugin, Payload, PluginContext
 from router.torch_memory import activation_bytes, tensor_bytes
 
 if TYPE_CHECKING:
-    from ultralytics.data.augment import LetterBox
     from ultralytics.nn.autobackend import AutoBackend
 
 __all__ = ["Letterboxed", "YoloOptions", "YoloPlugin"]
@@ -66,15 +63,6 @@ class YoloOptions(BaseModel):
         return value
 
 
-@dataclass(frozen=True)
-class Letterboxed:
-    """One image ready for the network: uint8 RGB (3, imgsz, imgsz), and its original size."""
-
-    pixels: torch.Tensor
-    width: int
-    height: int
-
-
 class YoloPlugin(ModelPlugin[YoloOptions]):
     """Detection with any ultralytics YOLO detect checkpoint (v5u, v8, 11, ...)."""
 
@@ -87,12 +75,11 @@ class YoloPlugin(ModelPlugin[YoloOptions]):
         self.device = torch.device("cpu")
         self.names: list[str] = []
         self._network: AutoBackend | None = None
-        self._letterbox: LetterBox | None = None
+        self._processing: YoloProcessing | None = None
 
     def load(self, device: str) -> None:
         """Build the network from the checkpoint or YAML, fuse it and move it to `device`."""
         _offline()
-        from ultralytics.data.augment import LetterBox
         from ultralytics.nn.autobackend import AutoBackend
 
         self.device = torch.device(device)
@@ -104,60 +91,53 @@ class YoloPlugin(ModelPlugin[YoloOptions]):
         yolo = self._build()
         network = AutoBackend(yolo.model, device=self.device, fp16=self.options.half, fuse=True, verbose=False)
         network.eval()
-        stride = int(network.stride)
-        if self.options.imgsz % stride:
-            raise ValueError(f"imgsz {self.options.imgsz} is not a multiple of this model's stride {stride}")
         self.names = self._class_names(network.names)
-        self._letterbox = LetterBox((self.options.imgsz, self.options.imgsz), auto=False, stride=stride)
+        settings = DetectSettings(
+            conf=self.options.conf,
+            iou=self.options.iou,
+            max_det=self.options.max_det,
+            classes=tuple(self.options.classes) if self.options.classes is not None else None,
+            end2end=bool(getattr(network, "end2end", False)),
+        )
+        self._processing = YoloProcessing(
+            self.options.imgsz, int(network.stride), self.names, settings, self.options.max_pixels
+        )
         self._network = network
+
+    @property
+    def processing(self) -> YoloProcessing:
+        """The pre- and post-processing this model uses (after `load`); engine plugins reuse it."""
+        if self._processing is None:
+            raise RuntimeError(f"model {self.context.model_name!r} is not loaded")
+        return self._processing
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The loaded, fused torch network (an ultralytics DetectionModel), e.g. for export."""
+        module: torch.nn.Module = self._loaded().model  # AutoBackend does not register the network as a child
+        return module
 
     def preprocess(self, payload: Payload) -> Letterboxed:
         """Decode, letterbox to the fixed square input (ultralytics' LetterBox), HWC -> CHW."""
-        if self._letterbox is None:
-            raise RuntimeError(f"model {self.context.model_name!r}: preprocess called before load")
-        rgb = decode_image(payload, max_pixels=self.options.max_pixels)
-        boxed = cast(np.ndarray, self._letterbox(image=rgb))  # image-only calls return the array
-        pixels = torch.from_numpy(boxed.transpose(2, 0, 1).copy())
-        return Letterboxed(pixels=pixels, width=rgb.shape[1], height=rgb.shape[0])
+        return self.processing.preprocess(payload)
 
     def predict_batch(self, items: Sequence[Letterboxed]) -> list[torch.Tensor]:
         """One forward pass and NMS for the batch; each output is an (n, 6) CPU tensor x1 y1 x2 y2 score class."""
-        from ultralytics.utils.nms import non_max_suppression
-
-        network = self._loaded()
-        batch = torch.stack([item.pixels for item in items]).to(self.device)
+        network, processing = self._loaded(), self.processing
         with torch.inference_mode():
-            # Same conversion as ultralytics' predictor: uint8 to the device, then scale there.
-            inputs = (batch.half() if self.options.half else batch.float()).div_(255)
-            raw = network(inputs)
-            detections = non_max_suppression(
-                raw,
-                self.options.conf,
-                self.options.iou,
-                self.options.classes,
-                max_det=self.options.max_det,
-                end2end=bool(getattr(network, "end2end", False)),
-                # ultralytics stops NMS after 2 s + 50 ms per image and leaves the remaining images
-                # with no boxes; the router's execution timeout bounds a batch instead.
-                max_time_img=math.inf,
-            )
-        return [d[:, :6].float().cpu() for d in detections]
+            raw = network(processing.network_input(items, self.device, half=self.options.half))
+            return processing.decode(raw)
 
     def postprocess(self, output: torch.Tensor, item: Letterboxed) -> dict[str, Any]:
         """Boxes back in the original image's pixels, with scores and labels."""
-        from ultralytics.utils.ops import scale_boxes
+        return self.processing.postprocess(output, item)
 
-        side = self.options.imgsz
-        boxes = scale_boxes((side, side), output[:, :4].clone(), (item.height, item.width))
-        detections = [
-            {"box": box, "score": score, "class_id": int(cls), "label": self._label(int(cls))}
-            for box, score, cls in zip(boxes.tolist(), output[:, 4].tolist(), output[:, 5].tolist(), strict=True)
-        ]
-        return {"detections": detections, "image": {"width": item.width, "height": item.height}}
+    def describe_input(self, item: Letterboxed) -> dict[str, Any]:
+        return {"image_width": item.width, "image_height": item.height}
 
     def memory_estimate(self) -> MemoryEstimate:
         """Weights as loaded; per item the input plus every activation of one forward (an upper bound)."""
-        module: torch.nn.Module = self._loaded().model  # AutoBackend does not register the network as a child
+        module = self.module
         weights = tensor_bytes([*module.parameters(), *module.buffers()])
         dtype = torch.float16 if self.options.half else torch.float32
         probe = torch.zeros((1, 3, self.options.imgsz, self.options.imgsz), dtype=dtype, device=self.device)
@@ -169,6 +149,7 @@ class YoloPlugin(ModelPlugin[YoloOptions]):
 
     def unload(self) -> None:
         self._network = None
+        self._processing = None
         if self.device.type == "cuda" and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -205,19 +186,7 @@ class YoloPlugin(ModelPlugin[YoloOptions]):
             )
         return labels
 
-    def _label(self, class_id: int) -> str:
-        return self.names[class_id] if 0 <= class_id < len(self.names) else str(class_id)
-
     def _loaded(self) -> AutoBackend:
         if self._network is None:
             raise RuntimeError(f"model {self.context.model_name!r} is not loaded")
         return self._network
-
-
-def _offline() -> None:
-    """ultralytics probes DNS when imported, downloads missing assets and pip-installs missing
-    packages; a server must do none of that at run time, so default both switches off before the
-    first import (explicit YOLO_OFFLINE / YOLO_AUTOINSTALL values still win)."""
-    os.environ.setdefault("YOLO_OFFLINE", "1")
-    os.environ.setdefault("YOLO_AUTOINSTALL", "false")
-

@@ -1,0 +1,116 @@
+"""The pre- and post-processing of an exported model, chosen by its metadata's task.
+
+Nothing is re-implemented here: `detect` is the yolo plugin's `YoloProcessing`, `classify` the
+resnet plugin's `ClassifyProcessing`. Both engine plugins (`onnx`, `tensorrt`) build theirs here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from model_router_onnx.metadata import ExportMetadata, Normalisation
+from router.images import DEFAULT_MAX_PIXELS
+from router.plugin import Payload
+
+__all__ = ["ServingOverrides", "TaskProcessing", "build_processing"]
+
+
+class ServingOverrides(BaseModel):
+    """Serving-time settings shared by the engine plugins; None keeps the value the export recorded."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    conf: float | None = Field(None, ge=0.0, le=1.0, description="detect: minimum score")
+    iou: float | None = Field(None, ge=0.0, le=1.0, description="detect: NMS IoU threshold")
+    max_det: int | None = Field(None, ge=1, description="detect: most detections kept per image")
+    classes: list[int] | None = Field(None, description="detect: keep only these class ids")
+    top_k: int | None = Field(None, ge=1, description="classify: classes returned per image")
+    labels: list[str] | None = Field(None, description="class names, one per class id")
+    max_pixels: int = Field(DEFAULT_MAX_PIXELS, ge=1, description="largest accepted input image, in pixels")
+
+    @field_validator("classes")
+    @classmethod
+    def _non_negative(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or min(value) < 0):
+            raise ValueError(f"classes must be a non-empty list of class ids >= 0, got {value}")
+        return value
+
+
+class TaskProcessing(Protocol):
+    """What an engine plugin needs around the network: one shape for both tasks."""
+
+    def preprocess(self, payload: Payload) -> Any: ...
+
+    def network_input(self, items: Sequence[Any], device: torch.device, *, half: bool = False) -> torch.Tensor: ...
+
+    def decode(self, raw: torch.Tensor) -> list[Any]: ...
+
+    def postprocess(self, output: Any, item: Any) -> dict[str, Any]: ...
+
+
+def build_processing(metadata: ExportMetadata, overrides: ServingOverrides, model: str) -> TaskProcessing:
+    """The processing for `metadata.task`, with the overrides applied. Raises ValueError naming the model."""
+    labels = list(overrides.labels) if overrides.labels is not None else list(metadata.labels)
+    if len(labels) != len(metadata.labels):
+        raise ValueError(f"model {model!r}: labels has {len(labels)} names but the export has {len(metadata.labels)} classes")
+    if metadata.task == "detect":
+        return _detect(metadata, overrides, labels, model)
+    return _classify(metadata, overrides, labels, model)
+
+
+def _detect(metadata: ExportMetadata, overrides: ServingOverrides, labels: list[str], model: str) -> TaskProcessing:
+    from model_router_yolo.processing import DetectSettings, YoloProcessing
+
+    _refuse(model, "detect", top_k=overrides.top_k)
+    if metadata.normalisation != Normalisation():
+        raise ValueError(f"model {model!r}: a detect export must take pixels / 255, got {metadata.normalisation}")
+    defaults, resize = metadata.detect, metadata.resize
+    assert defaults is not None and resize.kind == "letterbox"  # ExportMetadata validates both
+    classes = overrides.classes if overrides.classes is not None else defaults.classes
+    if classes and max(classes) >= len(labels):
+        raise ValueError(f"model {model!r}: classes {classes} has ids beyond the export's {len(labels)} classes")
+    settings = DetectSettings(
+        conf=_pick(overrides.conf, defaults.conf),
+        iou=_pick(overrides.iou, defaults.iou),
+        max_det=_pick(overrides.max_det, defaults.max_det),
+        classes=tuple(classes) if classes is not None else None,
+        end2end=defaults.end2end,
+    )
+    return YoloProcessing(resize.imgsz, resize.stride, labels, settings, overrides.max_pixels)
+
+
+def _classify(metadata: ExportMetadata, overrides: ServingOverrides, labels: list[str], model: str) -> TaskProcessing:
+    from model_router_resnet.processing import ClassifyProcessing
+
+    _refuse(model, "classify", conf=overrides.conf, iou=overrides.iou, max_det=overrides.max_det, classes=overrides.classes)
+    if abs(metadata.normalisation.scale - 1 / 255) > 1e-12:
+        raise ValueError(f"model {model!r}: a classify export must scale pixels by 1/255, got {metadata.normalisation.scale}")
+    defaults, resize = metadata.classify, metadata.resize
+    assert defaults is not None and resize.kind == "resize_crop"  # ExportMetadata validates both
+    top_k = _pick(overrides.top_k, defaults.top_k)
+    if top_k > len(labels):
+        raise ValueError(f"model {model!r}: top_k {top_k} is more than the export's {len(labels)} classes")
+    return ClassifyProcessing(
+        top_k=top_k,
+        labels=tuple(labels),
+        resize=resize.resize,
+        crop=resize.crop,
+        mean=metadata.normalisation.mean,
+        std=metadata.normalisation.std,
+        max_pixels=overrides.max_pixels,
+    )
+
+
+def _pick(override: Any, default: Any) -> Any:
+    return default if override is None else override
+
+
+def _refuse(model: str, task: str, **given: Any) -> None:
+    """Options that belong to the other task are a configuration mistake, not something to ignore."""
+    wrong = sorted(name for name, value in given.items() if value is not None)
+    if wrong:
+        raise ValueError(f"model {model!r}: option(s) {', '.join(wrong)} do not apply to a {task!r} export")
