@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_MAX_PIXELS",
     "decode_image",
     "example_jpeg",
+    "image_size",
 ]
 
 #: Pillow format names we decode, with their display names. Importing the four plugin modules
@@ -76,6 +77,18 @@ def decode_image(payload: Payload, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> n
     except _DECODE_ERRORS as exc:
         raise InputError(f"corrupt or truncated image data: {exc}") from None
     return _to_rgb_array(image)
+
+
+def image_size(body: bytes) -> tuple[int, int] | None:
+    """(width, height) from an accepted image's header, without decoding it; None if unreadable."""
+    fmt = next((f for f in _FORMATS if _accepts(f, body[:16])), None)
+    if fmt is None:
+        return None
+    try:
+        width, height = Image.OPEN[fmt][0](io.BytesIO(body), "").size
+    except _DECODE_ERRORS:
+        return None
+    return int(width), int(height)
 
 
 def _check_media_type(media_type: str) -> None:

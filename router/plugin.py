@@ -121,8 +121,8 @@ class ModelPlugin(ABC, Generic[OptionsT]):
         `preprocess` returned for the same input."""
         return output
 
-    def describe_input(self, item: Any) -> dict[str, Any]:
-        """A few facts about one prepared input for the request's log line, e.g. the image size."""
+    def describe_input(self, payload: Payload, item: Any) -> dict[str, Any]:
+        """A few facts about one input for the request's log line, e.g. the image size."""
         return {}
 
     def example_payload(self) -> Payload | None:

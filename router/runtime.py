@@ -279,7 +279,7 @@ class Runtime:
         wait = (ticket.dispatched_at or ticket.arrived_at) - ticket.arrived_at
         self.metrics.queue_wait.labels(deployment.name).observe(wait)
         return Answer(request_id, deployment.name, result, wait, ticket.batch_size, ticket.execution_s,
-                      ticket.memory_delta_bytes, plugin.describe_input(item))
+                      ticket.memory_delta_bytes, plugin.describe_input(payload, item))
 
     def _check_accepting(self, deployment: Deployment) -> None:
         if self.draining or self._closed:

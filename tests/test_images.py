@@ -259,3 +259,10 @@ def test_unsupported_format_behind_a_generic_or_wrong_type_is_a_415_naming_it(fm
         message = f"{name} images are not supported; accepted: JPEG, PNG, WebP, BMP"
         with pytest.raises(UnsupportedMediaType, match=message):
             decode_image(Payload(body, media_type))
+
+
+def test_image_size_reads_only_the_header() -> None:
+    from router.images import image_size
+
+    assert image_size(png_header(100_000, 50_000)) == (100_000, 50_000)  # never decoded: 15 GB of pixels
+    assert image_size(b"not an image") is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,3 +111,28 @@ def test_uninstalled_plugin_is_a_clear_start_up_error(tmp_path: Path, store: Pat
     assert result.returncode == 2
     assert "models.resnet18.plugin: no plugin named 'resnet' is installed" in result.stderr
     assert "yolo" in result.stderr  # the installed ones are listed
+
+
+def test_each_request_gets_one_structured_log_line(server: RouterProcess) -> None:
+    data = (EXAMPLES / "street.jpg").read_bytes()
+    for model in ("yolov8n", "resnet18"):
+        response = httpx.post(server.url + f"/models/{model}/predict", content=data,
+                              headers={"content-type": "image/jpeg", "X-Request-ID": f"log-{model}"}, timeout=60)
+        assert response.status_code == 200
+        lines = access_lines(server, f"log-{model}")
+        assert len(lines) == 1, lines
+        line = lines[0]
+        assert line["model"] == model and line["status"] == 200 and line["input_bytes"] == len(data)
+        assert (line["image_width"], line["image_height"]) == (640, 480)
+        assert line["batch_size"] >= 1 and line["queue_wait_ms"] >= 0 and line["execution_ms"] > 0
+        assert isinstance(line["memory_delta_bytes"], int)  # host RAM around the batch (NVML on a GPU)
+
+
+def access_lines(server: RouterProcess, request_id: str) -> list[dict[str, object]]:
+    """The access lines of one request; written just after the response, so wait for them briefly."""
+    for _ in range(100):
+        lines = [r for r in server.log_records() if r.get("request_id") == request_id and r.get("message") == "request"]
+        if lines:
+            return lines
+        time.sleep(0.02)
+    return []

@@ -16,7 +16,7 @@ from model_router_onnx.graph import GraphFacts, read_graph
 from model_router_onnx.metadata import ExportMetadata
 from model_router_onnx.providers import CUDA, TENSORRT, ProviderError, choose_providers, device_index
 from model_router_onnx.tasks import ServingOverrides, TaskProcessing, build_processing
-from router.images import ACCEPTED_MEDIA_TYPES, example_jpeg
+from router.images import ACCEPTED_MEDIA_TYPES, example_jpeg, image_size
 from router.plugin import MemoryEstimate, ModelPlugin, Payload, PluginContext
 
 __all__ = ["OnnxOptions", "OnnxPlugin"]
@@ -105,6 +105,10 @@ class OnnxPlugin(ModelPlugin[OnnxOptions]):
 
     def postprocess(self, output: Any, item: Any) -> dict[str, Any]:
         return self._loaded()[1].postprocess(output, item)
+
+    def describe_input(self, payload: Payload, item: Any) -> dict[str, Any]:
+        size = image_size(payload.body)
+        return {} if size is None else {"image_width": size[0], "image_height": size[1]}
 
     def memory_estimate(self) -> MemoryEstimate:
         """Initializers as weights; per item the input plus every shape-inferred intermediate (an upper bound)."""

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+from model_router_yolo.processing import check_class_ids
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model_router_onnx.metadata import ExportMetadata, Normalisation
@@ -35,9 +36,7 @@ class ServingOverrides(BaseModel):
     @field_validator("classes")
     @classmethod
     def _non_negative(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and (not value or min(value) < 0):
-            raise ValueError(f"classes must be a non-empty list of class ids >= 0, got {value}")
-        return value
+        return check_class_ids(value)
 
 
 class TaskProcessing(Protocol):

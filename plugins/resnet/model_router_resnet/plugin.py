@@ -13,7 +13,7 @@ import torchvision
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model_router_resnet.processing import CROP, ClassifyProcessing, TopK
-from router.images import ACCEPTED_MEDIA_TYPES, DEFAULT_MAX_PIXELS, example_jpeg
+from router.images import ACCEPTED_MEDIA_TYPES, DEFAULT_MAX_PIXELS, example_jpeg, image_size
 from router.plugin import MemoryEstimate, ModelPlugin, Payload, PluginContext
 from router.torch_memory import activation_bytes, tensor_bytes
 
@@ -102,6 +102,10 @@ class ResNetPlugin(ModelPlugin[ResNetOptions]):
 
     def postprocess(self, output: TopK, item: torch.Tensor) -> dict[str, Any]:
         return self.processing.postprocess(output, item)
+
+    def describe_input(self, payload: Payload, item: torch.Tensor) -> dict[str, Any]:
+        size = image_size(payload.body)
+        return {} if size is None else {"image_width": size[0], "image_height": size[1]}
 
     def memory_estimate(self) -> MemoryEstimate:
         """Weights as loaded; per item the input plus every activation of one forward (an upper bound)."""

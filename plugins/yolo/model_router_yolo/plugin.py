@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from model_router_yolo.processing import DetectSettings, Letterboxed, YoloProcessing
+from model_router_yolo.processing import DetectSettings, Letterboxed, YoloProcessing, check_class_ids
 from model_router_yolo.processing import offline as _offline
 from router.images import ACCEPTED_MEDIA_TYPES, DEFAULT_MAX_PIXELS, example_jpeg
 from router.plugin import MemoryEstimate, ModelPlugin, Payload, PluginContext
@@ -58,9 +58,7 @@ class YoloOptions(BaseModel):
     @field_validator("classes")
     @classmethod
     def _non_negative(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None and (not value or min(value) < 0):
-            raise ValueError(f"classes must be a non-empty list of class ids >= 0, got {value}")
-        return value
+        return check_class_ids(value)
 
 
 class YoloPlugin(ModelPlugin[YoloOptions]):
@@ -132,7 +130,7 @@ class YoloPlugin(ModelPlugin[YoloOptions]):
         """Boxes back in the original image's pixels, with scores and labels."""
         return self.processing.postprocess(output, item)
 
-    def describe_input(self, item: Letterboxed) -> dict[str, Any]:
+    def describe_input(self, payload: Payload, item: Letterboxed) -> dict[str, Any]:
         return {"image_width": item.width, "image_height": item.height}
 
     def memory_estimate(self) -> MemoryEstimate:

@@ -19,7 +19,7 @@ import torch
 from router.images import DEFAULT_MAX_PIXELS, decode_image
 from router.plugin import Payload
 
-__all__ = ["DetectSettings", "Letterboxed", "YoloProcessing", "offline"]
+__all__ = ["DetectSettings", "Letterboxed", "YoloProcessing", "check_class_ids", "offline"]
 
 
 @dataclass(frozen=True)
@@ -120,3 +120,10 @@ def offline() -> None:
     first import (explicit YOLO_OFFLINE / YOLO_AUTOINSTALL values still win)."""
     os.environ.setdefault("YOLO_OFFLINE", "1")
     os.environ.setdefault("YOLO_AUTOINSTALL", "false")
+
+
+def check_class_ids(value: list[int] | None) -> list[int] | None:
+    """The `classes` option: None, or a non-empty list of class ids >= 0."""
+    if value is not None and (not value or min(value) < 0):
+        raise ValueError(f"classes must be a non-empty list of class ids >= 0, got {value}")
+    return value

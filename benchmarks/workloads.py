@@ -1,0 +1,76 @@
+"""The three benchmark workloads, and the one place every contender gets its model from.
+
+Each workload names a router plugin and its options. The router serves it through a fleet file;
+the peers (the single-queue server, LitServe) and the direct loop build the *same* plugin object
+with `build_plugin`, so every contender runs identical preprocessing, model and postprocessing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from router.plugin import ModelPlugin, PluginContext
+from router.registry import PluginRegistry
+
+__all__ = ["REPO", "WORKLOADS", "Workload", "build_plugin"]
+
+REPO = Path(__file__).resolve().parents[1]
+TOY_INPUT = json.dumps({"x": [0.1 * i for i in range(16)]}).encode()
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One model, its batching and its request body, shared by every contender."""
+
+    name: str
+    plugin: str
+    options: dict[str, Any]
+    max_batch: int
+    max_delay_ms: float
+    content_type: str
+    body_file: str | None = None  # relative to the repo; else `body`
+    body: bytes = b""
+    queue_size: int = 128
+    timeout_ms: int = 1000  # the router's deadline: the goodput deadline of the overload runs
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def request_body(self) -> bytes:
+        return (REPO / self.body_file).read_bytes() if self.body_file else self.body
+
+    def fleet_yaml(self, store: Path) -> str:
+        """A one-model router fleet for this workload."""
+        options = json.dumps(self.options)
+        return (
+            f"model_store: {store}\n"
+            "models:\n"
+            f"  {self.name}:\n"
+            f"    plugin: {self.plugin}\n"
+            "    device: cpu\n"
+            f"    options: {options}\n"
+            f"    queue: {{max_size: {self.queue_size}, timeout_ms: {self.timeout_ms}}}\n"
+            f"    batch: {{max_size: {self.max_batch}, max_delay_ms: {self.max_delay_ms}}}\n"
+        )
+
+
+WORKLOADS: dict[str, Workload] = {
+    # The default fleet's ResNet settings: batches of up to 8, 5 ms from the first arrival.
+    "resnet18": Workload("resnet18", "resnet", {"arch": "resnet18", "weights": "resnet18.pt", "top_k": 5},
+                         max_batch=8, max_delay_ms=5, content_type="image/jpeg", body_file="examples/street.jpg"),
+    # A simulated accelerator: a batch of n costs 20 + 0.5 n ms of wall time with the GIL released.
+    "accelerator": Workload("accelerator", "scripted", {"fixed_ms": 20, "per_item_ms": 0.5},
+                            max_batch=32, max_delay_ms=5, content_type="application/json",
+                            body=b'{"id": "bench"}', queue_size=256, extra={"fixed_ms": 20.0, "per_item_ms": 0.5}),
+    # A 16->32->4 MLP: the router's own overhead. No batching delay, so nothing but overhead is added.
+    "tiny": Workload("tiny", "toy", {}, max_batch=8, max_delay_ms=0, content_type="application/json", body=TOY_INPUT),
+}
+
+
+def build_plugin(workload: Workload, store: Path) -> ModelPlugin[Any]:
+    """The workload's plugin object, loaded on the CPU, exactly as the router would build it."""
+    info = PluginRegistry.from_entry_points(only=[workload.plugin]).get(workload.plugin)
+    plugin = info.cls(info.cls.Options(**workload.options), PluginContext(workload.name, store))
+    plugin.load("cpu")
+    return plugin
