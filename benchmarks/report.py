@@ -1,0 +1,130 @@
+"""Turn a benchmark run's JSON into the target ratios, a short table and the plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["evaluate", "plot", "render"]
+
+
+def _target(name: str, measured: float | None, target: float, *, at_most: bool = False,
+            detail: str = "") -> dict[str, Any]:
+    if measured is None:
+        return {"name": name, "measured": None, "target": target, "met": False, "detail": detail or "not measured"}
+    met = measured <= target if at_most else measured >= target
+    return {"name": name, "measured": round(measured, 3), "target": target, "at_most": at_most, "met": met,
+            "detail": detail}
+
+
+def _sat(workload: dict[str, Any], system: str) -> float | None:
+    try:
+        return float(workload["systems"][system]["closed"]["saturation"]["throughput_rps"])
+    except KeyError:
+        return None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each as a ratio (or a difference) from this run."""
+    targets: list[dict[str, Any]] = []
+    runs = results["workloads"]
+    if "resnet18" in runs:
+        w = runs["resnet18"]
+        limit = w["limit"]["with_decode_rps"]
+        targets.append(_target("resnet18: router / limit (decode included)", _ratio(_sat(w, "router"), limit), 0.95,
+                               detail=f"router {_sat(w, 'router')} rps, limit {limit} rps"))
+        targets.append(_target("resnet18: router / LitServe", _ratio(_sat(w, "router"), _sat(w, "litserve")), 1.0,
+                               detail=f"LitServe {_sat(w, 'litserve')} rps"))
+        five = next((p for p in w["systems"]["router"].get("open", []) if p["multiple"] == 5.0), None)
+        capacity = w.get("capacity_rps")
+        goodput = None if five is None else five["goodput_rps"]
+        targets.append(_target("resnet18 at 5x open loop: router goodput / capacity", _ratio(goodput, capacity), 0.8,
+                               detail=f"goodput {goodput} rps within {results['deadline_s']} s, capacity {capacity} rps"))
+    if "accelerator" in runs:
+        w = runs["accelerator"]
+        limit = w["limit"].get("analytic_rps")
+        targets.append(_target("accelerator: router / limit (max batch / batch time)",
+                               _ratio(_sat(w, "router"), limit), 0.9,
+                               detail=f"router {_sat(w, 'router')} rps, limit {limit} rps"))
+        targets.append(_target("accelerator: router / LitServe", _ratio(_sat(w, "router"), _sat(w, "litserve")), 1.4,
+                               detail=f"LitServe {_sat(w, 'litserve')} rps"))
+    if "tiny" in runs:
+        w = runs["tiny"]
+        direct = w["limit"]["single_ms"]["p50"]
+        try:
+            router = float(w["systems"]["router"]["closed"]["c1"]["ok_ms"]["p50"])
+        except (KeyError, TypeError):
+            router = None
+        added = None if router is None else router - direct
+        targets.append(_target("tiny: router p50 - direct p50 at concurrency 1 (ms)", added, 2.0, at_most=True,
+                               detail=f"router {router} ms over HTTP, direct call {direct} ms"))
+    return targets
+
+
+def _row(cells: list[str], widths: list[int]) -> str:
+    return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
+
+
+def _rows(results: dict[str, Any]) -> list[list[str]]:
+    rows = [["workload", "system", "load", "ok rps", "good rps", "p50 ms", "p90 ms", "p99 ms", "statuses", "RSS MB"]]
+    for name, w in results["workloads"].items():
+        limit = w["limit"]
+        rows.append([name, "direct (limit)", f"batch {limit['batch']}",
+                     f"{limit['with_decode_rps']} / {limit['without_decode_rps']} no-decode", "",
+                     str(limit["single_ms"]["p50"]), "", "", "", ""])
+        for system, s in w["systems"].items():
+            points = [(label, r) for label, r in s["closed"].items()]
+            points += [(f"open {p['multiple']}x={p['offered_rps']}/s", p) for p in s.get("open", [])]
+            for label, r in points:
+                rss = r.get("peak_rss_mb", s["peak_rss_mb"])
+                statuses = " ".join(f"{k}:{v}" for k, v in sorted(r["statuses"].items()))
+                rows.append([name, system, label, str(r["throughput_rps"]), str(r["goodput_rps"]),
+                             str(r["ok_ms"]["p50"]), str(r["ok_ms"]["p90"]), str(r["ok_ms"]["p99"]), statuses, str(rss)])
+    return rows
+
+
+def render(results: dict[str, Any]) -> str:
+    """The printed table: every measurement, then the targets with met or MISSED."""
+    rows = _rows(results)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [_row(r, widths) for r in rows]
+    lines.append("")
+    for t in results.get("targets", []):
+        sign = "<=" if t.get("at_most") else ">="
+        verdict = "met" if t["met"] else "MISSED"
+        lines.append(f"{verdict:6}  {t['name']}: {t['measured']} (target {sign} {t['target']}); {t['detail']}")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Throughput (answered, and within the deadline) and p99 against offered load, one line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    w = results["workloads"]["resnet18"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for system, s in w["systems"].items():
+        points = s.get("open", [])
+        offered = [p["offered_rps"] for p in points]
+        line = left.plot(offered, [p["throughput_rps"] for p in points], marker="o", label=f"{system}: 200s")[0]
+        left.plot(offered, [p["goodput_rps"] for p in points], marker="x", linestyle="--", color=line.get_color(),
+                  label=f"{system}: within {results['deadline_s']:g} s")
+        right.plot(offered, [(p["ok_ms"]["p99"] or float("nan")) for p in points], marker="o", color=line.get_color(),
+                   label=system)
+    left.axhline(w["limit"]["with_decode_rps"], color="grey", linestyle=":", label="direct loop (limit)")
+    left.set(xlabel="offered load, requests/s (open loop)", ylabel="answers/s", title="ResNet18: throughput")
+    right.axhline(results["deadline_s"] * 1000, color="grey", linestyle=":", label="deadline")
+    right.set(xlabel="offered load, requests/s (open loop)", ylabel="p99 of 200 answers, ms", yscale="log",
+              title="ResNet18: p99 latency")
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    fig.suptitle(f"{results['machine']['cpu']}, {results['machine']['cores']} cores", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

@@ -1,0 +1,175 @@
+"""`make bench`: every contender on every workload, in one run, on this machine.
+
+For each workload the direct loop (the limit) runs first, in its own process. Then each system
+(model-router, the single-queue FastAPI pattern, LitServe) is started in its own process and
+driven by `benchmarks.loadgen` in another: closed loop at saturation, and for ResNet18 an
+open-loop sweep of 0.5x to 5x the router's measured capacity, each overload point on a fresh
+server so one point's backlog cannot spill into the next. Peak RSS is sampled from the harness
+over the server's whole process tree. Results: benchmarks/results/latest.json, a printed
+table, and benchmarks/results/latest.png.
+
+    python -m benchmarks.run [--quick] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks.report import evaluate, plot, render
+from benchmarks.systems import SYSTEMS, RssSampler, Server, request_target, serve
+from benchmarks.workloads import REPO, WORKLOADS, Workload
+
+__all__ = ["Plan", "loadgen", "main"]
+
+DEADLINE_S = 1.0
+OPEN_MULTIPLES = (0.5, 1.0, 2.0, 5.0)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How long each measurement runs; `--quick` shrinks everything for a smoke run."""
+
+    limit_s: float = 5.0
+    warm_s: float = 2.0
+    closed_s: float = 8.0
+    open_s: float = 8.0
+    multiples: tuple[float, ...] = OPEN_MULTIPLES
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(limit_s=1.0, warm_s=0.5, closed_s=2.0, open_s=2.0, multiples=(1.0, 5.0))
+
+
+def loadgen(server: Server, target: str, *args: str, timeout_s: float = 120.0) -> dict[str, Any]:
+    """One load generator process against `server`; its JSON report."""
+    command = [sys.executable, "-m", "benchmarks.loadgen", "--url", server.url, "--target", target,
+               "--deadline", str(DEADLINE_S), *args]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"loadgen failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def closed(server: Server, target: str, concurrency: int, seconds: float) -> dict[str, Any]:
+    return loadgen(server, target, "--concurrency", str(concurrency), "--duration", str(seconds), "--timeout", "15")
+
+
+def direct_limit(workload: Workload, store: Path, seconds: float) -> dict[str, Any]:
+    command = [sys.executable, "-m", "benchmarks.direct", "--workload", workload.name,
+               "--seconds", str(seconds), "--store", str(store)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"direct loop failed: {done.stderr[-2000:]}")
+    limit: dict[str, Any] = json.loads(done.stdout)
+    if "fixed_ms" in workload.extra:  # the simulated accelerator's analytic limit: max batch / batch time
+        batch_s = (workload.extra["fixed_ms"] + workload.extra["per_item_ms"] * workload.max_batch) / 1000
+        limit["analytic_rps"] = round(workload.max_batch / batch_s, 2)
+    return limit
+
+
+def closed_runs(system: str, workload: Workload, store: Path, scratch: Path, plan: Plan,
+                levels: dict[str, int]) -> dict[str, Any]:
+    """One server: warm it, then each closed-loop level; peak RSS over all of it."""
+    target = request_target(system, workload, scratch)
+    with serve(system, workload, store, scratch) as server:
+        sampler = RssSampler(server.process.pid)
+        sampler.start()
+        closed(server, target, 2, plan.warm_s)  # first requests pay for lazy imports
+        runs = {label: closed(server, target, concurrency, plan.closed_s) for label, concurrency in levels.items()}
+        return {"closed": runs, "peak_rss_mb": sampler.stop() >> 20}
+
+
+def open_point(system: str, workload: Workload, store: Path, scratch: Path, plan: Plan,
+               rate: float) -> dict[str, Any]:
+    """One open-loop rate on a fresh, warmed server."""
+    target = request_target(system, workload, scratch)
+    with serve(system, workload, store, scratch) as server:
+        closed(server, target, 2, plan.warm_s)
+        sampler = RssSampler(server.process.pid)
+        sampler.start()
+        report = loadgen(server, target, "--rate", f"{rate:.2f}", "--duration", str(plan.open_s),
+                         "--timeout", "3")
+        report["peak_rss_mb"] = sampler.stop() >> 20
+        return report
+
+
+def run_workload(workload: Workload, store: Path, scratch: Path, plan: Plan, sweep: bool) -> dict[str, Any]:
+    levels = {"resnet18": {"saturation": 16}, "accelerator": {"saturation": 128},
+              "tiny": {"c1": 1, "saturation": 32}}[workload.name]
+    out: dict[str, Any] = {"limit": direct_limit(workload, store, plan.limit_s), "systems": {}}
+    print(f"[{workload.name}] limit {out['limit']}", flush=True)
+    for system in SYSTEMS:
+        out["systems"][system] = closed_runs(system, workload, store, scratch, plan, levels)
+        print(f"[{workload.name}] {system}: {_brief(out['systems'][system]['closed'])}", flush=True)
+    if sweep:
+        capacity = out["systems"]["router"]["closed"]["saturation"]["throughput_rps"]
+        out["capacity_rps"] = capacity
+        for system in SYSTEMS:
+            points = []
+            for multiple in plan.multiples:
+                report = open_point(system, workload, store, scratch, plan, multiple * capacity)
+                points.append({"multiple": multiple, "offered_rps": round(multiple * capacity, 2), **report})
+                print(f"[{workload.name}] {system} open {multiple}x: {_brief({'': report})}", flush=True)
+            out["systems"][system]["open"] = points
+    return out
+
+
+def _brief(runs: dict[str, Any]) -> str:
+    return "; ".join(f"{k} {r['throughput_rps']} rps p50 {r['ok_ms']['p50']} ms {r['statuses']}"
+                     for k, r in runs.items())
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": psutil.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "os": platform.platform()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a short smoke run (figures not meaningful)")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    parser.add_argument("--store", type=Path, default=REPO / "model_store")
+    parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), help="default: all")
+    args = parser.parse_args(argv)
+    plan = Plan.quick() if args.quick else Plan()
+    scratch = args.out / "scratch"
+    scratch.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    results: dict[str, Any] = {"machine": machine(), "command": "make bench", "plan": plan.__dict__,
+                               "deadline_s": DEADLINE_S, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                               "workloads": {}}
+    for name in args.workload or list(WORKLOADS):
+        results["workloads"][name] = run_workload(WORKLOADS[name], args.store.resolve(), scratch, plan,
+                                                  sweep=name == "resnet18")
+    results["targets"] = evaluate(results)
+    results["wall_s"] = round(time.monotonic() - started, 1)
+    stem = "quick" if args.quick else "latest"
+    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2), encoding="utf-8")
+    print(render(results))
+    if "resnet18" in results["workloads"]:
+        plot(results, args.out / f"{stem}.png")
+    print(f"results: {args.out / (stem + '.json')} ({results['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
