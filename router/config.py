@@ -41,6 +41,7 @@ __all__ = [
 
 DEVICE_PATTERN = re.compile(r"^(cpu|cuda:\d+)$")
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+SECRET_KEYS = {"api_keys", "admin_keys"}
 
 
 def check_device_name(name: str) -> None:
@@ -262,6 +263,12 @@ def load_fleet(path: str | Path) -> FleetConfig:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping with 'models' at the top, got {type(data).__name__}")
+    if secrets := sorted(SECRET_KEYS & set(data)):
+        key = secrets[0]
+        raise ConfigError(
+            f"{source}: {key}: API keys never go in the fleet file; set MODEL_ROUTER_{key.upper()} "
+            f"or MODEL_ROUTER_{key.upper()}_FILE (a secret file, one key a line)"
+        )
     try:
         fleet = FleetConfig.model_validate(data)
     except ValidationError as exc:

@@ -95,3 +95,12 @@ def test_a_server_with_keys(tmp_path: Path) -> None:
     assert metrics.status_code == 401 and metrics_with_key.status_code == 200
     assert listing.status_code == 401
     assert PREDICT not in log and ADMIN not in log  # keys never reach the logs
+
+
+def test_keys_in_the_fleet_file_are_refused(tmp_path: Path) -> None:
+    from router.config import load_fleet
+
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(f"api_keys: [{PREDICT}]\nmodels:\n  m: {{plugin: scripted}}\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match="API keys never go in the fleet file; set MODEL_ROUTER_API_KEYS"):
+        load_fleet(fleet)
