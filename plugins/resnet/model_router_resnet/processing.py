@@ -1,7 +1,7 @@
 """ImageNet classification pre- and post-processing, independent of what runs the network.
 
 The eager `resnet` plugin and the engine plugins (`onnx`, `tensorrt`) share this code:
-torchvision's IMAGENET1K_V1 transforms on the CPU, then softmax and top-k.
+the resize, centre crop and normalisation of torchvision's ImageNet ResNet weights, on the CPU, then softmax and top-k.
 """
 
 from __future__ import annotations
