@@ -8,7 +8,7 @@ TORCH  := torch==2.14.1 torchvision==0.29.1
 CONFIG ?= config/fleet.yaml
 DEMO   := model_store/yolov8n.pt model_store/resnet18.pt
 
-.PHONY: serve test check gpu-check clean
+.PHONY: serve test check gpu-check bench clean
 
 serve: $(VENV)/.serve $(DEMO)
 	$(BIN)/model-router serve --config $(CONFIG)
@@ -21,6 +21,10 @@ check: $(VENV)/.serve
 
 gpu-check: $(VENV)/.test
 	bash scripts/gpu-check.sh
+
+# Every contender on every workload, about 7 minutes on 2 cores; see benchmarks/run.py.
+bench: $(VENV)/.test $(VENV)/.bench $(DEMO)
+	$(BIN)/python -m benchmarks.run
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +41,12 @@ $(VENV)/.serve: $(VENV)/.torch pyproject.toml plugins/yolo/pyproject.toml plugin
 
 $(VENV)/.test: $(VENV)/.serve tests/plugin_dist/pyproject.toml
 	$(PIP) install --quiet -e '.[test]' -e tests/plugin_dist
+	touch $@
+
+# Bench-only dependencies: the LitServe contender (it brings FastAPI, which the single-queue
+# contender uses) and matplotlib for the plot.
+$(VENV)/.bench: $(VENV)/.test
+	$(PIP) install --quiet litserve==0.2.19 fastapi matplotlib
 	touch $@
 
 $(DEMO) &: | $(VENV)/.serve

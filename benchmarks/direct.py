@@ -48,14 +48,17 @@ def _single(plugin: ModelPlugin[Any], payload: Payload, seconds: float) -> list[
     return sorted(latencies)
 
 
-def measure(workload: Workload, store: Path, seconds: float) -> dict[str, Any]:
-    plugin = build_plugin(workload, store)
+def measure(workload: Workload, store: Path, seconds: float, device: str = "cpu") -> dict[str, Any]:
+    plugin = build_plugin(workload, store, device)
     payload = Payload(workload.request_body(), workload.content_type)
     _batched(plugin, payload, workload.max_batch, min(1.0, seconds / 4), decode=True)  # warm-up
     with_decode = _batched(plugin, payload, workload.max_batch, seconds, decode=True)
     without_decode = _batched(plugin, payload, workload.max_batch, seconds, decode=False)
     single = _single(plugin, payload, min(seconds, 2.0))
-    pick = lambda q: round(single[min(len(single) - 1, int(q * len(single)))] * 1000, 3)  # noqa: E731
+
+    def pick(q: float) -> float:
+        return round(single[min(len(single) - 1, int(q * len(single)))] * 1000, 3)
+
     return {"workload": workload.name, "batch": workload.max_batch, "with_decode_rps": round(with_decode, 2),
             "without_decode_rps": round(without_decode, 2), "single_ms": {"p50": pick(0.5), "p90": pick(0.9)}}
 
@@ -65,8 +68,9 @@ def main() -> int:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--store", type=Path, default=Path("model_store"))
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    json.dump(measure(WORKLOADS[args.workload], args.store.resolve(), args.seconds), sys.stdout)
+    json.dump(measure(WORKLOADS[args.workload], args.store.resolve(), args.seconds, args.device), sys.stdout)
     sys.stdout.write("\n")
     return 0
 

@@ -21,10 +21,10 @@ os.environ.setdefault("LIGHTNING_TELEMETRY", "0")
 os.environ.setdefault("LITSERVE_TELEMETRY", "0")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
-import litserve as ls  # noqa: E402
+import litserve as ls
 
-from benchmarks.workloads import WORKLOADS, Workload, build_plugin  # noqa: E402
-from router.plugin import Payload  # noqa: E402
+from benchmarks.workloads import WORKLOADS, Workload, build_plugin
+from router.plugin import Payload
 
 __all__ = ["PluginAPI"]
 

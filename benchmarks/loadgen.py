@@ -155,7 +155,10 @@ def summarise(results: Sequence[Result], duration: float, deadline_s: float | No
     ok = [r.latency_s for r in results if r.status == 200]
     rejected = [r.latency_s for r in results if r.status == 503]
     in_time = [x for x in ok if deadline_s is None or x <= deadline_s]
-    ms = lambda v: None if v is None else round(v * 1000, 2)  # noqa: E731
+
+    def ms(value: float | None) -> float | None:
+        return None if value is None else round(value * 1000, 2)
+
     return {
         "requests": len(results),
         "statuses": dict(Counter(str(r.status) for r in results)),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -97,8 +98,9 @@ def open_point(system: str, workload: Workload, store: Path, scratch: Path, plan
         closed(server, target, 2, plan.warm_s)
         sampler = RssSampler(server.process.pid)
         sampler.start()
+        # The deadline travels with each request (the router honours it; the peers have no such notion).
         report = loadgen(server, target, "--rate", f"{rate:.2f}", "--duration", str(plan.open_s),
-                         "--timeout", "3")
+                         "--timeout", "3", "--header", f"X-Timeout-Ms:{int(DEADLINE_S * 1000)}")
         report["peak_rss_mb"] = sampler.stop() >> 20
         return report
 
@@ -140,7 +142,7 @@ def machine() -> dict[str, Any]:
         pass
     return {"cpu": cpu, "cores": psutil.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
             "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "os": platform.platform()}
+            "os": platform.platform(), "load_average_start": [round(x, 2) for x in psutil.getloadavg()]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,8 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), help="default: all")
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
-    scratch = args.out / "scratch"
-    scratch.mkdir(parents=True, exist_ok=True)
+    scratch = args.out / "scratch"  # fleet files, request bodies and server logs of this run only
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
     started = time.monotonic()
     results: dict[str, Any] = {"machine": machine(), "command": "make bench", "plan": plan.__dict__,
                                "deadline_s": DEADLINE_S, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -161,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         results["workloads"][name] = run_workload(WORKLOADS[name], args.store.resolve(), scratch, plan,
                                                   sweep=name == "resnet18")
     results["targets"] = evaluate(results)
+    results["load_average_end"] = [round(x, 2) for x in psutil.getloadavg()]  # other work on the machine shows here
     results["wall_s"] = round(time.monotonic() - started, 1)
     stem = "quick" if args.quick else "latest"
     (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2), encoding="utf-8")

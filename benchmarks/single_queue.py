@@ -42,7 +42,7 @@ def make_app(plugin: ModelPlugin[Any]) -> FastAPI:
             payload, future = await queue.get()
             try:
                 result = await loop.run_in_executor(None, run_one, payload)
-            except Exception as exc:  # the caller gets a 500; the consumer carries on
+            except Exception as exc:  # noqa: BLE001 - the caller gets a 500; the consumer carries on
                 if not future.done():
                     future.set_exception(exc)
             else:

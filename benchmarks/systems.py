@@ -22,7 +22,7 @@ import psutil
 
 from benchmarks.workloads import REPO, Workload
 
-__all__ = ["SYSTEMS", "RssSampler", "Server", "free_port", "request_target", "serve"]
+__all__ = ["SYSTEMS", "RssSampler", "Server", "free_port", "launch", "request_target", "serve", "serve_router"]
 
 SYSTEMS = ("router", "single_queue", "litserve")
 BOUNDARY = "benchmarkboundary7d1f"
@@ -73,14 +73,35 @@ def serve(system: str, workload: Workload, store: Path, scratch: Path, timeout_s
     """Start `system` serving `workload`, wait until its health check answers 200, stop it afterwards."""
     port = free_port()
     command, env = _command(system, workload, port, store, scratch)
-    log_path = scratch / f"{system}-{workload.name}-{port}.log"
+    path = f"/models/{workload.name}/predict" if system == "router" else "/predict"
+    health = "/health/ready" if system == "router" else "/health"
+    with launch(system, command, env, port, path, health, scratch / f"{system}-{workload.name}-{port}.log",
+                timeout_s) as server:
+        yield server
+
+
+@contextmanager
+def serve_router(fleet_yaml: str, scratch: Path, timeout_s: float = 300.0) -> Iterator[Server]:
+    """A router serving a whole fleet file (the GPU variant's several models on one card)."""
+    port = free_port()
+    config = scratch / f"fleet-{port}.yaml"
+    config.write_text(fleet_yaml, encoding="utf-8")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MODEL_ROUTER_HOST": "127.0.0.1",
+           "MODEL_ROUTER_PORT": str(port), "MODEL_ROUTER_CONFIG": str(config)}
+    with launch("router", [sys.executable, "-m", "router", "serve"], env, port, "/models", "/health/ready",
+                scratch / f"router-fleet-{port}.log", timeout_s) as server:
+        yield server
+
+
+@contextmanager
+def launch(system: str, command: list[str], env: dict[str, str], port: int, path: str, health: str,
+           log_path: Path, timeout_s: float) -> Iterator[Server]:
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
                                    start_new_session=True)
-    path = f"/models/{workload.name}/predict" if system == "router" else "/predict"
     server = Server(system, f"http://127.0.0.1:{port}", path, process, log_path)
     try:
-        _wait_healthy(server, "/health/ready" if system == "router" else "/health", timeout_s)
+        _wait_healthy(server, health, timeout_s)
         yield server
     finally:
         _stop(process)

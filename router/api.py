@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 import uuid
@@ -51,7 +52,7 @@ def _number_header(request: Request[Any, Any, Any], name: str) -> float | None:
         value = float(raw.strip())
     except ValueError:
         raise InputError(f"{name} must be a number, got {raw[:64]!r}") from None
-    if value != value or value in (float("inf"), float("-inf")):
+    if not math.isfinite(value):
         raise InputError(f"{name} must be a finite number, got {raw[:64]!r}")
     return value
 

@@ -91,8 +91,9 @@ def _matches(presented: bytes, keys: tuple[bytes, ...]) -> bool:
     return found and bool(presented)
 
 
-def access_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
-    """App-wide Litestar guard: the route's declared access level against the app's policy."""
+async def access_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+    """App-wide Litestar guard: the route's declared access level against the app's policy.
+    Async, so Litestar calls it on the event loop instead of handing it to a thread."""
     policy: AccessPolicy = connection.app.state.access_policy
     access = handler.opt.get("access")
     if access is None:

@@ -66,9 +66,11 @@ class Deployment:
     def predicted_wait_s(self) -> float:
         """Time until a request queued now would be answered: the batches ahead of it, shared among
         the instances that serve, then its own dispatch-to-answer time. Zero until observed."""
-        serving = sum(1 for i in self.instances if i.state is InstanceState.READY) or 1
+        ready = [i for i in self.instances if i.state is InstanceState.READY]
         batches_ahead = self.queue.occupancy // max(self.max_batch, 1)
-        return batches_ahead / serving * self.batch_time_s + self.service.horizon_s
+        if ready and all(i.busy for i in ready):
+            batches_ahead += 1  # the running batches finish first
+        return batches_ahead / max(len(ready), 1) * self.batch_time_s + self.service.horizon_s
 
     def observe_batch_time(self, seconds: float) -> None:
         self.batch_time_s = seconds if self.batch_time_s == 0.0 else 0.8 * self.batch_time_s + 0.2 * seconds

@@ -18,15 +18,11 @@ async def run_unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
     Call only after the request body has been read: `receive` then yields nothing but the disconnect."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    watcher.add_done_callback(lambda done: None if done.cancelled() else task.cancel())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await task
     finally:
         watcher.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise asyncio.CancelledError("client disconnected")
-    return task.result()
 
 
 async def _wait_disconnect(receive: Receive) -> None:

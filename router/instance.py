@@ -24,7 +24,7 @@ from router.errors import (
 from router.plugin import MemoryEstimate, ModelPlugin
 from router.queue import Ticket
 
-__all__ = ["InstanceState", "ModelInstance", "is_out_of_memory", "resolve", "reject"]
+__all__ = ["InstanceState", "ModelInstance", "is_out_of_memory", "reject", "resolve"]
 
 log = logging.getLogger("router.instance")
 T = TypeVar("T")

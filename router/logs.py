@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import json
 import logging
+import queue
 import sys
 import time
+from logging.handlers import QueueHandler, QueueListener
 from typing import Any
 
 __all__ = ["JsonFormatter", "configure_logging", "request_id_var"]
@@ -37,11 +40,32 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+class _DeferredHandler(QueueHandler):
+    """Hands records to a background thread, which formats and writes them: the event loop only
+    enqueues. The request id is captured here, since the context does not follow the record."""
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        if getattr(record, "request_id", None) is None and (request_id := request_id_var.get()):
+            record.request_id = request_id
+        return record
+
+
+_listener: QueueListener | None = None
+
+
 def configure_logging(level: str = "info") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter())
+    """JSON lines on stderr, written by a background thread; flushed when the process exits."""
+    global _listener
+    if _listener is not None:
+        _listener.stop()
+    writer = logging.StreamHandler(sys.stderr)
+    writer.setFormatter(JsonFormatter())
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    _listener = QueueListener(records, writer, respect_handler_level=False)
+    _listener.start()
+    atexit.register(_listener.stop)
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [_DeferredHandler(records)]
     root.setLevel(level.upper())
     for name in ("uvicorn", "uvicorn.error"):
         logging.getLogger(name).handlers[:] = []

@@ -154,7 +154,9 @@ class DeviceScheduler:
             if self.probe is not None and now - self._last_read_at > IDLE_REFRESH_S:
                 self._read()
             return next_due
-        plan = plan_admission(candidates, self._device_state(reading=self._read()))
+        # Reservations cover what was admitted since; the live reading may be up to one poll old.
+        reading = self._read(max_age_s=self.config.poll_interval_ms / 1000.0)
+        plan = plan_admission(candidates, self._device_state(reading=reading))
         self._record_plan(plan)
         by_key = {instance.key: (d, instance) for d, instance in self._members}
         for admission in plan.admits:
@@ -165,11 +167,15 @@ class DeviceScheduler:
             next_due = poll if next_due is None else min(next_due, poll)
         return next_due
 
-    def _read(self) -> MemoryReading | None:
-        """Read the probe; any failure is logged once and turns admission off until it recovers."""
-        self._last_read_at = self.clock()
+    def _read(self, max_age_s: float = 0.0) -> MemoryReading | None:
+        """Read the probe, or reuse a good reading younger than `max_age_s`; any failure is logged
+        once and turns admission off until it recovers."""
         if self.probe is None:
             return MemoryReading(self.ledger.weights_bytes, max(self.total_bytes, self.budget_bytes))
+        now = self.clock()
+        if self.last_reading is not None and not self._probe_failing and now - self._last_read_at < max_age_s:
+            return self.last_reading
+        self._last_read_at = now
         try:
             reading = self.probe.read().check()
         except Exception as exc:

@@ -40,6 +40,7 @@ PYTHONUNBUFFERED=1 timeout 300 "$python" scripts/gpu_engine_check.py "$out/engin
     2>&1 | tee "$out/engines.log"
 engines_status=${PIPESTATUS[0]}
 [ "$engines_status" -eq 124 ] && echo "| engine checks | FAIL | timed out after 300 s; see engines.log |" >> "$out/engines/engines.md"
+"$python" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" && PYTHONUNBUFFERED=1 timeout 240 "$python" -m benchmarks.gpu --out "$out/bench" 2>&1 | tee "$out/bench.log"  # GPU benchmark: models sharing the card, ledger vs NVML
 
 "$python" - "$out/gpu-tests.xml" "$out/engines/engines.md" <<'PY' | tee "$out/results.md"
 import sys

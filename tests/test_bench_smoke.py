@@ -1,0 +1,40 @@
+"""Keeps the benchmark harness from rotting: its pieces import, the single-queue contender serves,
+the load generator drives it, and the report renders. A few seconds; no timing assertions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="bench-only dependency: `make bench` installs it")
+
+from benchmarks.direct import measure
+from benchmarks.report import evaluate, render
+from benchmarks.run import closed
+from benchmarks.systems import request_target, serve
+from benchmarks.workloads import WORKLOADS
+
+pytestmark = [pytest.mark.e2e]
+
+
+def test_single_queue_contender_answers_the_load_generator(tmp_path: Path) -> None:
+    workload = WORKLOADS["tiny"]
+    with serve("single_queue", workload, tmp_path, tmp_path, timeout_s=60) as server:
+        report = closed(server, request_target("single_queue", workload, tmp_path), 2, 1.0)
+    assert report["requests"] > 0
+    assert set(report["statuses"]) == {"200"}, report
+    assert report["ok_ms"]["p50"] is not None
+
+
+def test_direct_loop_and_report_render(tmp_path: Path) -> None:
+    limit = measure(WORKLOADS["tiny"], tmp_path, 0.2)
+    assert limit["with_decode_rps"] > 0 and limit["single_ms"]["p50"] is not None
+    run = {"requests": 1, "statuses": {"200": 1}, "throughput_rps": 1.0, "goodput_rps": 1.0,
+           "ok_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0}}
+    results = {"deadline_s": 1.0, "workloads": {"tiny": {"limit": limit, "systems": {
+        "router": {"closed": {"c1": run, "saturation": run}, "peak_rss_mb": 1}}}}}
+    results["targets"] = evaluate(results)
+    table = render(results)
+    assert "tiny" in table and "router" in table
+    assert [t["name"] for t in results["targets"]] == ["tiny: router p50 - direct p50 at concurrency 1 (ms)"]
