@@ -9,7 +9,6 @@ the form field `file` and JSON is handed to the plugin re-encoded (microseconds 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from collections.abc import Sequence
@@ -23,7 +22,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import litserve as ls
 
-from benchmarks.workloads import WORKLOADS, Workload, build_plugin
+from benchmarks.workloads import Workload, build_plugin, server_arguments
 from router.plugin import Payload
 
 __all__ = ["PluginAPI"]
@@ -62,14 +61,10 @@ class PluginAPI(ls.LitAPI):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--store", type=Path, default=Path("model_store"))
-    args = parser.parse_args()
-    api = PluginAPI(WORKLOADS[args.workload], args.store.resolve())
+    workload, port, store = server_arguments(__doc__)
+    api = PluginAPI(workload, store)
     server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=10)
-    server.run(host="127.0.0.1", port=args.port, num_api_servers=1, log_level="warning", generate_client_file=False)
+    server.run(host="127.0.0.1", port=port, num_api_servers=1, log_level="warning", generate_client_file=False)
 
 
 if __name__ == "__main__":

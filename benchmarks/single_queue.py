@@ -9,17 +9,15 @@ answer not ready within 10 s answers 504. No batching, no deadlines inside the q
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from benchmarks.workloads import WORKLOADS, build_plugin
+from benchmarks.workloads import build_plugin, server_arguments
 from router.plugin import ModelPlugin, Payload
 
 __all__ = ["QUEUE_SIZE", "SUBMIT_TIMEOUT_S", "make_app"]
@@ -81,13 +79,9 @@ def make_app(plugin: ModelPlugin[Any]) -> FastAPI:
 def main() -> None:
     import uvicorn
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--store", type=Path, default=Path("model_store"))
-    args = parser.parse_args()
-    plugin = build_plugin(WORKLOADS[args.workload], args.store.resolve())
-    uvicorn.run(make_app(plugin), host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+    workload, port, store = server_arguments(__doc__)
+    plugin = build_plugin(workload, store)
+    uvicorn.run(make_app(plugin), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ with `build_plugin`, so every contender runs identical preprocessing, model and 
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 from router.plugin import ModelPlugin, PluginContext
 from router.registry import PluginRegistry
 
-__all__ = ["REPO", "WORKLOADS", "Workload", "build_plugin"]
+__all__ = ["REPO", "WORKLOADS", "Workload", "build_plugin", "server_arguments"]
 
 REPO = Path(__file__).resolve().parents[1]
 TOY_INPUT = json.dumps({"x": [0.1 * i for i in range(16)]}).encode()
@@ -74,3 +75,13 @@ def build_plugin(workload: Workload, store: Path, device: str = "cpu") -> ModelP
     plugin = info.cls(info.cls.Options(**workload.options), PluginContext(workload.name, store))
     plugin.load(device)
     return plugin
+
+
+def server_arguments(description: str | None) -> tuple[Workload, int, Path]:
+    """The command line every contender server takes: --workload, --port, --store."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--store", type=Path, default=Path("model_store"))
+    args = parser.parse_args()
+    return WORKLOADS[args.workload], args.port, args.store.resolve()

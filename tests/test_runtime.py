@@ -50,6 +50,11 @@ async def running(runtime: Runtime) -> AsyncIterator[Runtime]:
         await runtime.stop()
 
 
+def one_at_a_time(fixed_ms: int) -> str:
+    """A fleet of one scripted model `m` whose batches take `fixed_ms` and hold one input."""
+    return f"models:\n  m: {{plugin: scripted, options: {{fixed_ms: {fixed_ms}}}, batch: {{max_size: 1}}}}\n"
+
+
 def executed(runtime: Runtime, model: str) -> list[list[str]]:
     batches: list[list[str]] = []
     for instance in runtime.deployments[model].instances:
@@ -183,13 +188,7 @@ models:
 
 
 async def test_higher_priority_is_batched_first(tmp_path: Path) -> None:
-    fleet = """
-models:
-  m:
-    plugin: scripted
-    options: {fixed_ms: 200}
-    batch: {max_size: 1}
-"""
+    fleet = one_at_a_time(200)
     async with running(make_runtime(tmp_path, fleet)) as runtime:
         first = asyncio.create_task(runtime.submit("m", ask("busy")))
         await asyncio.sleep(0.05)
@@ -272,13 +271,7 @@ async def test_a_device_whose_probe_fails_at_start_fails_its_models_only(tmp_pat
 
 
 async def test_drain_answers_everything_even_past_its_timeout(tmp_path: Path) -> None:
-    fleet = """
-models:
-  m:
-    plugin: scripted
-    options: {fixed_ms: 300}
-    batch: {max_size: 1}
-"""
+    fleet = one_at_a_time(300)
     runtime = make_runtime(tmp_path, fleet)
     await runtime.start()
     await runtime.wait_loaded()
@@ -295,13 +288,7 @@ models:
 
 
 async def test_deadline_while_queued_is_504_and_not_run(tmp_path: Path) -> None:
-    fleet = """
-models:
-  m:
-    plugin: scripted
-    options: {fixed_ms: 300}
-    batch: {max_size: 1}
-"""
+    fleet = one_at_a_time(300)
     async with running(make_runtime(tmp_path, fleet)) as runtime:
         busy = asyncio.create_task(runtime.submit("m", ask("busy")))
         await asyncio.sleep(0.05)
