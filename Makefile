@@ -46,7 +46,7 @@ $(VENV)/.test: $(VENV)/.serve tests/plugin_dist/pyproject.toml
 # Bench-only dependencies: the LitServe contender (it brings FastAPI, which the single-queue
 # contender uses) and matplotlib for the plot.
 $(VENV)/.bench: $(VENV)/.test
-	$(PIP) install --quiet litserve==0.2.19 fastapi matplotlib
+	$(PIP) install --quiet litserve==0.2.19 fastapi python-multipart matplotlib
 	touch $@
 
 $(DEMO) &: | $(VENV)/.serve

@@ -44,6 +44,20 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
         goodput = None if five is None else five["goodput_rps"]
         targets.append(_target("resnet18 at 5x open loop: router goodput / capacity", _ratio(goodput, capacity), 0.8,
                                detail=f"goodput {goodput} rps within {results['deadline_s']} s, capacity {capacity} rps"))
+    if "photo" in runs:
+        w = runs["photo"]
+        limit = w["limit"]["with_decode_rps"]
+        targets.append(_target("photo: router / limit (decode included)", _ratio(_sat(w, "router"), limit), 0.95,
+                               detail=f"router {_sat(w, 'router')} rps, limit {limit} rps, bus.jpg 810x1080"))
+        targets.append(_target("photo: router / LitServe", _ratio(_sat(w, "router"), _sat(w, "litserve")), 1.05,
+                               detail=f"LitServe {_sat(w, 'litserve')} rps"))
+        capacity = w.get("capacity_rps")
+        for point in w.get("surge", []):
+            statuses = ", ".join(f"{k}: {v}" for k, v in sorted(point["statuses"].items()))
+            targets.append(_target(f"photo at 5x open loop, {point['start']} start: goodput / capacity",
+                                   _ratio(point["goodput_rps"], capacity), 0.8,
+                                   detail=f"goodput {point['goodput_rps']} rps, capacity {capacity} rps; {statuses}; "
+                                          f"503 without Retry-After: {point['rejected_without_retry_after']}"))
     if "accelerator" in runs:
         w = runs["accelerator"]
         limit = w["limit"].get("analytic_rps")
@@ -79,6 +93,8 @@ def _rows(results: dict[str, Any]) -> list[list[str]]:
         for system, s in w["systems"].items():
             points = [(label, r) for label, r in s["closed"].items()]
             points += [(f"open {p['multiple']}x={p['offered_rps']}/s", p) for p in s.get("open", [])]
+            if system == "router":
+                points += [(f"surge {p['start']} 5x={p['offered_rps']}/s", p) for p in w.get("surge", [])]
             for label, r in points:
                 rss = r.get("peak_rss_mb", s["peak_rss_mb"])
                 statuses = " ".join(f"{k}:{v}" for k, v in sorted(r["statuses"].items()))

@@ -91,11 +91,13 @@ def closed_runs(system: str, workload: Workload, store: Path, scratch: Path, pla
 
 
 def open_point(system: str, workload: Workload, store: Path, scratch: Path, plan: Plan,
-               rate: float) -> dict[str, Any]:
-    """One open-loop rate on a fresh, warmed server."""
+               rate: float, warm_concurrency: int = 2, warm_s: float | None = None) -> dict[str, Any]:
+    """One open-loop rate on a fresh server, first warmed by closed-loop traffic (none when
+    `warm_concurrency` is 0: the surge meets a server that has just become ready)."""
     target = request_target(system, workload, scratch)
     with serve(system, workload, store, scratch) as server:
-        closed(server, target, 2, plan.warm_s)
+        if warm_concurrency:
+            closed(server, target, warm_concurrency, plan.warm_s if warm_s is None else warm_s)
         sampler = RssSampler(server.process.pid)
         sampler.start()
         # The deadline travels with each request (the router honours it; the peers have no such notion).
@@ -105,8 +107,19 @@ def open_point(system: str, workload: Workload, store: Path, scratch: Path, plan
         return report
 
 
+def surge_points(workload: Workload, store: Path, scratch: Path, plan: Plan, capacity: float) -> list[dict[str, Any]]:
+    """5x the router's capacity, open loop, 1 s deadline: on a server that has just become ready
+    (cold), and on one warmed first by closed-loop traffic at saturation (warm)."""
+    points = []
+    for label, concurrency in (("cold", 0), ("warm", 16)):
+        report = open_point("router", workload, store, scratch, plan, 5 * capacity, concurrency, plan.closed_s)
+        points.append({"start": label, "multiple": 5.0, "offered_rps": round(5 * capacity, 2), **report})
+        print(f"[{workload.name}] router surge 5x, {label} start: {_brief({'': report})}", flush=True)
+    return points
+
+
 def run_workload(workload: Workload, store: Path, scratch: Path, plan: Plan, sweep: bool) -> dict[str, Any]:
-    levels = {"resnet18": {"saturation": 16}, "accelerator": {"saturation": 128},
+    levels = {"resnet18": {"saturation": 16}, "photo": {"saturation": 16}, "accelerator": {"saturation": 128},
               "tiny": {"c1": 1, "saturation": 32}}[workload.name]
     out: dict[str, Any] = {"limit": direct_limit(workload, store, plan.limit_s), "systems": {}}
     print(f"[{workload.name}] limit {out['limit']}", flush=True)
@@ -123,6 +136,9 @@ def run_workload(workload: Workload, store: Path, scratch: Path, plan: Plan, swe
                 points.append({"multiple": multiple, "offered_rps": round(multiple * capacity, 2), **report})
                 print(f"[{workload.name}] {system} open {multiple}x: {_brief({'': report})}", flush=True)
             out["systems"][system]["open"] = points
+    if workload.name == "photo":
+        out["capacity_rps"] = out["systems"]["router"]["closed"]["saturation"]["throughput_rps"]
+        out["surge"] = surge_points(workload, store, scratch, plan, out["capacity_rps"])
     return out
 
 

@@ -8,6 +8,7 @@ with `build_plugin`, so every contender runs identical preprocessing, model and 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 from router.plugin import ModelPlugin, PluginContext
 from router.registry import PluginRegistry
 
-__all__ = ["REPO", "WORKLOADS", "Workload", "build_plugin", "server_arguments"]
+__all__ = ["REPO", "WORKLOADS", "Workload", "build_plugin", "server_arguments", "ultralytics_asset"]
 
 REPO = Path(__file__).resolve().parents[1]
 TOY_INPUT = json.dumps({"x": [0.1 * i for i in range(16)]}).encode()
@@ -32,7 +33,7 @@ class Workload:
     max_batch: int
     max_delay_ms: float
     content_type: str
-    body_file: str | None = None  # relative to the repo; else `body`
+    body_file: str | None = None  # relative to the repo, or absolute; else `body`
     body: bytes = b""
     queue_size: int = 128
     timeout_ms: int = 10_000  # as the single-queue server's submit timeout; open-loop runs ask for 1 s per request
@@ -56,10 +57,22 @@ class Workload:
         )
 
 
+def ultralytics_asset(name: str) -> str:
+    """A real photo shipped in ultralytics' package assets (`bus.jpg` 810x1080, `zidane.jpg` 1280x720),
+    found without importing ultralytics."""
+    spec = importlib.util.find_spec("ultralytics")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("ultralytics is not installed: the photo workloads use its assets")
+    return str(Path(spec.origin).parent / "assets" / name)
+
+
 WORKLOADS: dict[str, Workload] = {
     # The default fleet's ResNet settings: batches of up to 8, 5 ms from the first arrival.
     "resnet18": Workload("resnet18", "resnet", {"arch": "resnet18", "weights": "resnet18.pt", "top_k": 5},
                          max_batch=8, max_delay_ms=5, content_type="image/jpeg", body_file="examples/street.jpg"),
+    # The same model on a real photo (bus.jpg, 810x1080 JPEG): the host pipeline decodes a large image.
+    "photo": Workload("photo", "resnet", {"arch": "resnet18", "weights": "resnet18.pt", "top_k": 5},
+                      max_batch=8, max_delay_ms=5, content_type="image/jpeg", body_file=ultralytics_asset("bus.jpg")),
     # A simulated accelerator: a batch of n costs 20 + 0.5 n ms of wall time with the GIL released.
     "accelerator": Workload("accelerator", "scripted", {"fixed_ms": 20, "per_item_ms": 0.5},
                             max_batch=32, max_delay_ms=5, content_type="application/json",

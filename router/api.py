@@ -91,9 +91,10 @@ async def _payload(request: Request[Any, Any, Any]) -> Payload:
 async def predict(name: str, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Accepts a multipart field `file` or a raw `image/*` body. Headers: X-Timeout-Ms, X-Priority."""
     runtime = _runtime(request)
-    runtime.deployment(name)  # 404 before reading the body
     priority = _priority(request)
     timeout_ms = _number_header(request, "X-Timeout-Ms")
+    # 404, 503 and header errors before the body is read: under a surge a refusal costs little.
+    runtime.precheck(name, priority=priority, timeout_ms=timeout_ms, received_at=received_at(request))
     payload = await _payload(request)
     request.scope["state"]["access"] = {"model": name, "input_bytes": len(payload.body)}
     answer = await run_unless_disconnected(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -13,8 +14,17 @@ from router.instance import InstanceState, ModelInstance
 from router.plugin import MemoryEstimate, ModelPlugin
 from router.queue import ModelQueue
 from router.registry import PluginInfo
+from router.service_time import (
+    MARGIN_DEVIATIONS,
+    AdmissionDecision,
+    Lag,
+    Prediction,
+    ProbeGate,
+    decide_admission,
+    predict_answer,
+)
 
-__all__ = ["Deployment", "ModelState", "ServiceTime"]
+__all__ = ["Deployment", "ModelState"]
 
 
 class ModelState(enum.Enum):
@@ -24,27 +34,6 @@ class ModelState(enum.Enum):
     DEGRADED = "degraded"  # some instances failed or stalled, at least one serves
     FAILED = "failed"
     STOPPED = "stopped"
-
-
-@dataclass
-class ServiceTime:
-    """Dispatch-to-answer time of a model's requests: a smoothed mean and mean deviation, as TCP
-    estimates round trips. `horizon_s` (mean + 4 deviations) is how long before its deadline a
-    request must be dispatched to be answered in time."""
-
-    mean_s: float = 0.0
-    deviation_s: float = 0.0
-
-    def observe(self, seconds: float) -> None:
-        if self.mean_s == 0.0:
-            self.mean_s, self.deviation_s = seconds, seconds / 2
-            return
-        self.deviation_s = 0.75 * self.deviation_s + 0.25 * abs(seconds - self.mean_s)
-        self.mean_s = 0.875 * self.mean_s + 0.125 * seconds
-
-    @property
-    def horizon_s(self) -> float:
-        return self.mean_s + 4 * self.deviation_s
 
 
 @dataclass
@@ -60,20 +49,35 @@ class Deployment:
     estimate: MemoryEstimate | None = None
     max_batch: int = 1
     outcomes: Counter[str] = field(default_factory=Counter)
-    batch_time_s: float = 0.0  # moving average of one batch's execution time
-    service: ServiceTime = field(default_factory=lambda: ServiceTime())
+    lag: Lag = field(default_factory=Lag)  # batch end to answer: postprocessing and event-loop lag
+    gate: ProbeGate = field(default_factory=ProbeGate)
 
-    def predicted_wait_s(self) -> float:
-        """Time until a request queued now would be answered: the batches ahead of it, shared among
-        the instances that serve, then its own dispatch-to-answer time. Zero until observed."""
-        ready = [i for i in self.instances if i.state is InstanceState.READY]
-        batches_ahead = self.queue.occupancy // max(self.max_batch, 1)
-        if ready and all(i.busy for i in ready):
-            batches_ahead += 1  # the running batches finish first
-        return batches_ahead / max(len(ready), 1) * self.batch_time_s + self.service.horizon_s
+    def ready_instances(self) -> list[ModelInstance]:
+        return [i for i in self.instances if i.state is InstanceState.READY]
 
-    def observe_batch_time(self, seconds: float) -> None:
-        self.batch_time_s = seconds if self.batch_time_s == 0.0 else 0.8 * self.batch_time_s + 0.2 * seconds
+    def predict(self, now: float, *, margin: float = MARGIN_DEVIATIONS) -> Prediction | None:
+        """When a request queued now would be answered (None: nothing timed to predict from)."""
+        return predict_answer(
+            now, [i.load_view() for i in self.ready_instances()], queued_ahead=self.queue.occupancy,
+            max_batch=self.max_batch, max_delay_s=self.config.batch.max_delay_s, lag_s=self.lag.at(now),
+            margin=margin,
+        )
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued or being prepared, and an instance free to run it."""
+        return self.queue.occupancy == 0 and any(not i.busy for i in self.ready_instances())
+
+    def admission(self, budget_s: float, now: float, *, take_probe: bool = True) -> AdmissionDecision:
+        """Whether a request with `budget_s` until its deadline should be queued now."""
+        samples = [i.times.last_sample_at for i in self.instances if i.times.last_sample_at is not None]
+        return decide_admission(self.predict(now), budget_s, idle=self.idle, gate=self.gate, now=now,
+                                last_sample_at=max(samples, default=None), take_probe=take_probe)
+
+    def dispatch_horizon_s(self, instance: ModelInstance, size: int, now: float) -> float:
+        """Time from dispatch to answer of a batch of `size` on `instance`, with admission's margin:
+        a request whose deadline falls before it is answered 504 at dispatch instead of run."""
+        return instance.times.seconds(size, now, MARGIN_DEVIATIONS) + self.lag.at(now)
 
     @property
     def state(self) -> ModelState:
@@ -136,8 +140,23 @@ class Deployment:
                 "fixed_bytes": estimate.fixed_bytes if estimate else None,
                 "source": estimate.source if estimate else None,
             },
+            "timing": self._timing(),
             "execution_timeout_ms": self.config.execution.timeout_ms,
             "weight": self.config.weight,
             "required": self.config.required,
             "requests": dict(self.outcomes),
         }
+
+    def _timing(self) -> dict[str, object]:
+        """The service-time figures admission predicts from, per instance."""
+        now = time.monotonic()
+        instances = []
+        for i in self.instances:
+            factor, spread = i.times.factor_at(now)
+            instances.append({
+                "index": i.index, "source": i.times.source, "samples": i.times.samples,
+                "batch_1_ms": round(i.times.seconds(1, now) * 1000, 3),
+                "batch_max_ms": round(i.times.seconds(self.max_batch, now) * 1000, 3),
+                "load_factor": round(factor, 3), "spread": round(spread, 3),
+            })
+        return {"instances": instances, "answer_lag_ms": round(self.lag.at(now) * 1000, 3), "probes": self.gate.probes}

@@ -23,6 +23,7 @@ from router.errors import (
 )
 from router.plugin import MemoryEstimate, ModelPlugin
 from router.queue import Ticket
+from router.service_time import BatchTime, InstanceLoad
 
 __all__ = ["InstanceState", "ModelInstance", "is_out_of_memory", "reject", "resolve"]
 
@@ -77,6 +78,7 @@ class ModelInstance:
         *,
         execution_timeout_s: float,
         on_batch: BatchObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model = model
         self.index = index
@@ -89,7 +91,10 @@ class ModelInstance:
         self.estimate: MemoryEstimate | None = None
         self.max_batch = 1
         self.busy = False
+        self.busy_until: float | None = None  # expected end of the running batch
         self.batches = 0
+        self.times = BatchTime()  # batch execution time, learnt from warm-up and real batches
+        self._clock = clock
         self._on_batch = on_batch
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.key}")
         self._inflight: Future[Any] | None = None
@@ -97,6 +102,19 @@ class ModelInstance:
     @property
     def schedulable(self) -> bool:
         return self.state is InstanceState.READY and not self.busy
+
+    def load_view(self) -> InstanceLoad:
+        """What admission needs to predict this instance's answers."""
+        return InstanceLoad(self.times, self.busy_until if self.busy else None)
+
+    def begin_batch(self, size: int, now: float) -> None:
+        """Mark the instance busy with a batch of `size` dispatched at `now` (by its scheduler)."""
+        self.busy = True
+        self.busy_until = now + self.times.seconds(size, now)
+
+    def end_batch(self) -> None:
+        self.busy = False
+        self.busy_until = None
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on this instance's thread (loading, warm-up, profiling)."""
@@ -178,6 +196,7 @@ class ModelInstance:
             ) from None
         elapsed = time.perf_counter() - started
         self.batches += 1
+        self.times.observe(len(items), elapsed, self._clock())
         if self._on_batch is not None:
             self._on_batch(self.model, len(items), elapsed)
         return outputs, elapsed

@@ -61,15 +61,49 @@ async def _load_instance(deployment: Deployment, instance: ModelInstance, schedu
         deployment.estimate = estimate
         deployment.max_batch = limit
     scheduler.check_fits(deployment, instance, estimate.weights_bytes)
+    if config.warmup.enabled:
+        await _time_batches(deployment, instance, sorted({1, limit}))
     scheduler.ledger.book_weights(instance.key, name, estimate.weights_bytes)
     instance.estimate = estimate
     instance.max_batch = limit
     instance.state = InstanceState.READY
     log.info(
-        "model %s instance %d: ready in %.2fs (weights %d B, per item %d B, %s; max batch %d)",
+        "model %s instance %d: ready in %.2fs (weights %d B, per item %d B, %s; max batch %d; batch time %.1f ms"
+        " at 1, %.1f ms at %d)",
         name, instance.index, time.perf_counter() - started, estimate.weights_bytes,
-        estimate.per_item_bytes, estimate.source, limit, extra={"model": name},
+        estimate.per_item_bytes, estimate.source, limit, instance.times.base_s(1) * 1000,
+        instance.times.base_s(limit) * 1000, limit, extra={"model": name},
     )
+
+
+async def _time_batches(deployment: Deployment, instance: ModelInstance, sizes: list[int]) -> None:
+    """Time `predict_batch` on the warmed instance at each size: admission's first prediction
+    comes from these idle-device timings, not from the first batch under load."""
+    plugin = instance.plugin
+
+    def measure() -> list[tuple[int, float]]:
+        payload = plugin.example_payload()
+        if payload is None:
+            return []
+        item = plugin.preprocess(payload)
+        timings = []
+        for size in sizes:
+            begun = time.perf_counter()
+            try:
+                plugin.predict_batch([item] * size)
+            except Exception as exc:  # best effort: real batches will teach the estimate instead
+                log.info("model %s instance %d: timing a batch of %d failed (%s: %s); the first real batches "
+                         "will be timed instead", deployment.name, instance.index, size, type(exc).__name__, exc,
+                         extra={"model": deployment.name})
+                break
+            timings.append((size, time.perf_counter() - begun))
+        return timings
+
+    timings = await instance.call(measure)
+    instance.times.seed(timings)
+    if timings:
+        log.info("model %s instance %d: batch timings %s", deployment.name, instance.index,
+                 ", ".join(f"{n}: {s * 1000:.1f} ms" for n, s in timings), extra={"model": deployment.name})
 
 
 async def _warm_up(deployment: Deployment, instance: ModelInstance, estimate: MemoryEstimate) -> MemoryEstimate:

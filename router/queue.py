@@ -40,6 +40,7 @@ class Ticket:
     batch_size: int = 0
     execution_s: float = 0.0
     memory_delta_bytes: int | None = None
+    measure: bool = False  # admitted to measure the model (idle, untimed, probe): never dropped as doomed
 
 
 @dataclass
@@ -96,13 +97,17 @@ class ModelQueue:
         """Queued tickets plus reserved slots; compared with max_size."""
         return self._live + self._pending
 
-    def reserve_slot(self, now: float) -> None:
-        """Claim capacity for a request about to be preprocessed. Raises QueueFull at once."""
+    def check_room(self, now: float) -> None:
+        """Raise QueueFull if no request can be taken now."""
         if self.occupancy >= self.max_size:
             raise QueueFull(
                 f"model {self.name!r} queue is full ({self.max_size} requests); retry later",
                 retry_after_s=self.retry_after_s(now),
             )
+
+    def reserve_slot(self, now: float) -> None:
+        """Claim capacity for a request about to be preprocessed. Raises QueueFull at once."""
+        self.check_room(now)
         self._pending += 1
 
     def release_slot(self) -> None:
@@ -112,11 +117,8 @@ class ModelQueue:
         """Queue a ticket, converting a reserved slot if the caller holds one."""
         if reserved:
             self.release_slot()
-        elif self.occupancy >= self.max_size:
-            raise QueueFull(
-                f"model {self.name!r} queue is full ({self.max_size} requests); retry later",
-                retry_after_s=self.retry_after_s(ticket.arrived_at),
-            )
+        else:
+            self.check_room(ticket.arrived_at)
         if not 1 <= ticket.priority <= self.priority_levels:
             raise ValueError(f"priority must be in 1..{self.priority_levels}, got {ticket.priority}")
         ticket.state = TicketState.QUEUED
@@ -149,7 +151,7 @@ class ModelQueue:
                 if ticket.state is not TicketState.QUEUED:
                     self._dead -= 1
                     continue
-                if horizon_s > 0 and ticket.deadline < now + horizon_s:
+                if horizon_s > 0 and ticket.deadline < now + horizon_s and not ticket.measure:
                     ticket.state = TicketState.WITHDRAWN
                     doomed.append(ticket)
                     continue

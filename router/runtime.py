@@ -118,15 +118,11 @@ class Runtime:
                 instance = ModelInstance(
                     name, index, device, plugin,
                     execution_timeout_s=config.execution.timeout_ms / 1000.0,
-                    on_batch=self._observe_batch,
+                    on_batch=self.metrics.observe_batch,
+                    clock=self.clock,
                 )
                 deployment.instances.append(instance)
             self.deployments[name] = deployment
-
-    def _observe_batch(self, model: str, size: int, seconds: float) -> None:
-        """After each batch, on the event loop: metrics and the moving batch time used at dispatch."""
-        self.metrics.observe_batch(model, size, seconds)
-        self.deployments[model].observe_batch_time(seconds)
 
     async def start(self) -> None:
         """Start the device schedulers and begin loading models in the background."""
@@ -213,6 +209,32 @@ class Runtime:
             known = ", ".join(sorted(self.deployments)) or "none"
             raise ModelNotFound(f"no model named {name!r}; models: {known}") from None
 
+    def precheck(
+        self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
+        received_at: float | None = None,
+    ) -> None:
+        """Refuse, from the model name and the request's headers alone, what `submit` would refuse
+        before running anything (unknown model, bad header, shutting down, model not serving,
+        queue full, predicted to miss its deadline), so that the caller need not read the body.
+        Takes nothing: `submit` decides again."""
+        deployment = self.deployment(model)
+        now = self.clock()
+        started = now if received_at is None else min(received_at, now)
+        try:
+            self._check_accepting(deployment)
+            check_priority(deployment, priority)
+            budget_s = check_timeout(deployment, timeout_ms) - (now - started)
+            deployment.queue.check_room(now)
+            check_predicted_wait(deployment, budget_s, now, take_probe=False)
+        except RouterError as exc:
+            self._count(deployment, outcome_of(exc), started)
+            raise
+
+    def _count(self, deployment: Deployment, outcome: str, started: float) -> None:
+        deployment.outcomes[outcome] += 1
+        self.metrics.requests.labels(deployment.name, outcome).inc()
+        self.metrics.request_latency.labels(deployment.name).observe(self.clock() - started)
+
     async def submit(
         self,
         model: str,
@@ -242,9 +264,7 @@ class Runtime:
             self._inflight -= 1
             if self._inflight == 0:
                 self._idle.set()
-            deployment.outcomes[outcome] += 1
-            self.metrics.requests.labels(model, outcome).inc()
-            self.metrics.request_latency.labels(model).observe(self.clock() - started)
+            self._count(deployment, outcome, started)
 
     async def _submit(
         self, deployment: Deployment, payload: Payload, priority: int | None,
@@ -256,13 +276,14 @@ class Runtime:
         deadline = started + check_timeout(deployment, timeout_ms)
         plugin = deployment.front
         queue = deployment.queue
-        check_predicted_wait(deployment, deadline - started, started)
+        now = self.clock()
+        measure = check_predicted_wait(deployment, deadline - now, now)
         queue.reserve_slot(started)
         try:
             item = await self._before(deadline, deployment, self._on_cpu(plugin.preprocess, payload))
             self._check_accepting(deployment)
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            ticket = Ticket(request_id, item, level, self.clock(), deadline, future, len(payload.body))
+            ticket = Ticket(request_id, item, level, self.clock(), deadline, future, len(payload.body), measure=measure)
         except BaseException:
             queue.release_slot()
             raise
@@ -274,8 +295,9 @@ class Runtime:
         finally:
             self._tickets.discard(ticket)
         result = await self._on_cpu(plugin.postprocess, output, item)
-        if ticket.dispatched_at is not None:
-            deployment.service.observe(self.clock() - ticket.dispatched_at)
+        if ticket.dispatched_at is not None:  # batch end to answer: what admission adds after a batch
+            now = self.clock()
+            deployment.lag.observe(max(0.0, now - ticket.dispatched_at - ticket.execution_s), now)
         wait = (ticket.dispatched_at or ticket.arrived_at) - ticket.arrived_at
         self.metrics.queue_wait.labels(deployment.name).observe(wait)
         return Answer(request_id, deployment.name, result, wait, ticket.batch_size, ticket.execution_s,
@@ -324,16 +346,17 @@ class Runtime:
                 scheduler.notify()
 
 
-def check_predicted_wait(deployment: Deployment, budget_s: float, now: float) -> None:
-    """Refuse at once (503) a request that the work already queued would push past its deadline,
-    rather than queueing it to answer 504 later."""
-    predicted = deployment.predicted_wait_s()
-    if predicted > budget_s:
+def check_predicted_wait(deployment: Deployment, budget_s: float, now: float, *, take_probe: bool = True) -> bool:
+    """Refuse at once (503) a request that the work already queued and running would push past
+    its deadline, rather than queueing it to answer 504 later. Returns whether the request is
+    admitted to measure the model's real answer time (it is then never dropped at dispatch)."""
+    decision = deployment.admission(budget_s, now, take_probe=take_probe)
+    if not decision.admit:
         raise QueueFull(
-            f"model {deployment.name!r} is overloaded: about {predicted * 1000:.0f} ms of work is queued, "
-            f"more than this request's {budget_s * 1000:.0f} ms deadline; retry later",
-            retry_after_s=deployment.queue.retry_after_s(now),
+            f"model {deployment.name!r} is overloaded: {decision.reason}; retry later",
+            retry_after_s=decision.retry_after_s,
         )
+    return decision.measure
 
 
 def check_media_type(deployment: Deployment, payload: Payload) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Callable
 
 from router.admission import Candidate, DeviceState, Plan, fits, plan_admission
@@ -21,6 +20,7 @@ from router.instance import ModelInstance, reject
 from router.ledger import MemoryLedger, Reservation
 from router.probes import MemoryProbe, MemoryReading, ProbeError
 from router.queue import Ticket
+from router.service_time import DecayingTotal
 
 __all__ = ["DeviceScheduler"]
 
@@ -52,7 +52,7 @@ class DeviceScheduler:
         self._probe_failing = False
         self._last_read_at = 0.0
         self._members: list[tuple[Deployment, ModelInstance]] = []
-        self._served_s: dict[str, float] = defaultdict(float)
+        self._served_s: dict[str, DecayingTotal] = {}
         self._event = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
@@ -214,8 +214,11 @@ class DeviceScheduler:
             fixed_bytes=estimate.fixed_bytes if estimate else 0,
             model_budget=deployment.budget_bytes,
             model_bytes=self.ledger.model_bytes(deployment.name),
-            share=self._served_s[deployment.name] / deployment.config.weight,
+            share=self._served(deployment.name).at(self.clock()) / deployment.config.weight,
         )
+
+    def _served(self, model: str) -> DecayingTotal:
+        return self._served_s.setdefault(model, DecayingTotal())
 
     def _record_plan(self, plan: Plan) -> None:
         if plan.paused != self.paused:
@@ -225,7 +228,7 @@ class DeviceScheduler:
         self.last_plan = plan
 
     def _dispatch(self, deployment: Deployment, instance: ModelInstance, size: int, now: float) -> None:
-        horizon = deployment.service.horizon_s
+        horizon = deployment.dispatch_horizon_s(instance, size, now)
         tickets, doomed = deployment.queue.take_viable(size, now, horizon)
         for ticket in doomed:  # the answer would come after their deadline: answer now, run nothing
             reject(ticket, DeadlineExceeded(
@@ -237,7 +240,7 @@ class DeviceScheduler:
         estimate = deployment.estimate
         nbytes = estimate.batch_bytes(len(tickets)) if estimate else 0
         reservation = self.ledger.reserve(deployment.name, nbytes)
-        instance.busy = True
+        instance.begin_batch(len(tickets), now)
         task = asyncio.create_task(self._run(deployment, instance, tickets, reservation))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
@@ -253,8 +256,8 @@ class DeviceScheduler:
             await instance.wait_idle()  # a stalled batch keeps its memory until its thread returns
         finally:
             self.ledger.release(reservation)
-            instance.busy = False
-            self._served_s[deployment.name] += self.clock() - started
+            instance.end_batch()
+            self._served(deployment.name).add(self.clock() - started, self.clock())
             self.notify()
 
     def _record_memory_change(self, tickets: list[Ticket], before: MemoryReading | None) -> None:

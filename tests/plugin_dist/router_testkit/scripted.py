@@ -33,6 +33,8 @@ class ScriptedOptions(BaseModel):
     fixed_bytes: int = 0
     load_error: str | None = None
     load_ms: float = Field(0.0, ge=0, description="time load() takes")
+    slow_first: int = Field(0, ge=0, description="this many first batches after warm-up cost slow_factor times more")
+    slow_factor: float = Field(1.0, ge=1.0, description="a cold start under load: lazy set-up, cold caches, contention")
     record: str | None = None
 
 
@@ -45,6 +47,7 @@ class ScriptedPlugin(ModelPlugin[ScriptedOptions]):
         if self.options.load_error:
             raise RuntimeError(self.options.load_error)
         self.batches = 0
+        self.served = 0  # batches other than warm-up
         self.executed: list[list[str]] = []
         self._lock = threading.Lock()
 
@@ -63,7 +66,12 @@ class ScriptedPlugin(ModelPlugin[ScriptedOptions]):
         if options.oom_marker is not None and any(i.startswith(options.oom_marker) for i in items):
             raise DeviceOutOfMemory(f"scripted out-of-memory for a batch holding {options.oom_marker}*")
         start = time.monotonic()
-        time.sleep((options.fixed_ms + options.per_item_ms * len(items)) / 1000.0)
+        cost_ms = options.fixed_ms + options.per_item_ms * len(items)
+        if "warmup" not in items:
+            with self._lock:
+                self.served += 1
+                cost_ms *= options.slow_factor if self.served <= options.slow_first else 1.0
+        time.sleep(cost_ms / 1000.0)
         if options.hang_on is not None and options.hang_on in items:
             time.sleep(options.hang_ms / 1000.0)
         end = time.monotonic()

@@ -1,0 +1,294 @@
+"""How long a model takes to answer, and whether a new request can still be answered in time.
+
+Pure state and functions, driven with explicit timestamps (no clock of their own, no I/O):
+
+- `BatchTime` estimates one instance's batch execution time `t(n) = fixed + per_item * n`. The
+  shape comes from warm-up; real batches teach it a load factor (how much slower than warm-up
+  the device runs now) and that factor's spread. With no fresh batch, factor and spread decay
+  back to their priors, so an estimate taken during a burst cannot outlive the burst.
+- `Lag` is the same kind of decaying average for the time from a batch's end to the answer.
+- `predict_answer` turns what is queued and running into the time a new request would be answered.
+- `decide_admission` is the admission rule. It can never lock a model out: an idle model always
+  admits, and while it refuses, a bounded share of requests (one per probe interval) is admitted
+  anyway to measure, as a circuit breaker's half-open state does.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "AdmissionDecision",
+    "BatchTime",
+    "Decaying",
+    "DecayingTotal",
+    "InstanceLoad",
+    "Lag",
+    "Prediction",
+    "ProbeGate",
+    "decide_admission",
+    "predict_answer",
+]
+
+#: Half-life of every learnt correction when no fresh sample arrives.
+HALF_LIFE_S = 5.0
+#: Spreads above this many mean deviations are treated as noise when predicting with a margin.
+MARGIN_DEVIATIONS = 2.0
+#: The least relative spread a margin pads with: even a steady model meets scheduling jitter.
+MIN_SPREAD = 0.05
+#: Above this many batches ahead, prediction uses the instances' combined rate instead of stepping.
+MAX_STEPPED_BATCHES = 256
+
+
+def _decay(value: float, prior: float, since: float | None, now: float, half_life_s: float) -> float:
+    """`value` moved toward `prior` by the time elapsed since `since`."""
+    if since is None or now <= since:
+        return value
+    keep = math.pow(0.5, (now - since) / half_life_s)
+    return prior + (value - prior) * keep
+
+
+@dataclass
+class Decaying:
+    """A smoothed value that relaxes toward `prior` when nothing is observed."""
+
+    prior: float = 0.0
+    value: float = 0.0
+    updated_at: float | None = None
+    weight: float = 0.2  # share of a new sample in the average
+    half_life_s: float = HALF_LIFE_S
+
+    def at(self, now: float) -> float:
+        return _decay(self.value, self.prior, self.updated_at, now, self.half_life_s)
+
+    def observe(self, sample: float, now: float) -> None:
+        current = self.at(now)
+        self.value = current + self.weight * (sample - current) if self.updated_at is not None else sample
+        self.updated_at = now
+
+
+@dataclass
+class DecayingTotal:
+    """A running total that halves every `half_life_s`: recent use, for fair shares that a long
+    history cannot skew (a model busy for an hour does not starve a newcomer for an hour)."""
+
+    half_life_s: float = 10.0
+    value: float = 0.0
+    updated_at: float | None = None
+
+    def at(self, now: float) -> float:
+        return _decay(self.value, 0.0, self.updated_at, now, self.half_life_s)
+
+    def add(self, amount: float, now: float) -> None:
+        self.value = self.at(now) + amount
+        self.updated_at = now
+
+
+class Lag(Decaying):
+    """Time from a batch's end to its answers (postprocessing, event-loop lag), decaying toward 0."""
+
+
+@dataclass
+class BatchTime:
+    """One instance's batch execution time: `factor * (fixed_s + per_item_s * n)`.
+
+    `seed` fixes the shape from warm-up timings (factor 1 = warm-up speed). `observe` learns the
+    factor from real batches. Without samples the factor relaxes to 1 and its relative spread to
+    `prior_spread`, with half-life `half_life_s`. Unseeded, the first real batch sets the shape.
+    """
+
+    fixed_s: float = 0.0
+    per_item_s: float = 0.0
+    seeded: bool = False
+    source: str = "none"  # "warm-up", "first batch" or "none"
+    factor: float = 1.0
+    spread: float = 0.1
+    prior_spread: float = 0.1
+    updated_at: float | None = None
+    samples: int = 0
+    last_sample_at: float | None = None  # when a real batch last finished
+    half_life_s: float = HALF_LIFE_S
+
+    def seed(self, timings: Sequence[tuple[int, float]], source: str = "warm-up") -> None:
+        """Fit the shape through (batch size, seconds) timings: the line through the smallest and
+        largest sizes (the cost of an item can't be negative), or a constant for one size."""
+        usable = sorted((n, s) for n, s in timings if n >= 1 and s > 0 and math.isfinite(s))
+        if not usable:
+            return
+        (n1, s1), (n2, s2) = usable[0], usable[-1]
+        per_item = (s2 - s1) / (n2 - n1) if n2 > n1 else 0.0
+        per_item = max(0.0, per_item)
+        self.fixed_s = max(0.0, s1 - per_item * n1)
+        self.per_item_s = per_item
+        if self.fixed_s == 0.0 and per_item == 0.0:
+            self.fixed_s = s1
+        self.seeded = True
+        self.source = source
+        self.factor, self.spread, self.updated_at = 1.0, self.prior_spread, None
+
+    def base_s(self, n: int) -> float:
+        return self.fixed_s + self.per_item_s * max(1, n)
+
+    def factor_at(self, now: float) -> tuple[float, float]:
+        """The load factor and its relative spread, decayed to `now`."""
+        factor = _decay(self.factor, 1.0, self.updated_at, now, self.half_life_s)
+        spread = _decay(self.spread, self.prior_spread, self.updated_at, now, self.half_life_s)
+        return factor, spread
+
+    def seconds(self, n: int, now: float, margin: float = 0.0) -> float:
+        """Expected time of a batch of n; with `margin` deviations of padding."""
+        if not self.seeded:
+            return 0.0
+        factor, spread = self.factor_at(now)
+        return self.base_s(n) * max(0.0, factor) * (1.0 + margin * max(spread, MIN_SPREAD))
+
+    def observe(self, n: int, seconds: float, now: float) -> None:
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            return
+        self.samples += 1
+        self.last_sample_at = now
+        if not self.seeded:
+            self.seed([(n, seconds)], source="first batch")
+            self.updated_at = now
+            return
+        base = self.base_s(n)
+        if base <= 0:
+            return
+        ratio = seconds / base
+        factor, spread = self.factor_at(now)
+        self.spread = 0.75 * spread + 0.25 * abs(ratio - factor) / max(factor, 1e-9)
+        self.factor = 0.75 * factor + 0.25 * ratio
+        self.updated_at = now
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    """What prediction needs of one serving instance."""
+
+    times: BatchTime
+    busy_until: float | None = None  # expected end of its running batch; None when idle
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """When a request queued now would be answered, and from what."""
+
+    answer_in_s: float
+    queued_ahead: int
+    batches_ahead: int
+    batch_s: float  # expected time of one full batch (with the margin)
+    running_left_s: float  # until the first instance is free
+    instances: int
+
+    def explain(self) -> str:
+        running = f", after {self.running_left_s * 1000:.0f} ms left of the running batch" if self.running_left_s else ""
+        return (
+            f"an answer is predicted in about {self.answer_in_s * 1000:.0f} ms: {self.queued_ahead} request(s) "
+            f"queued ahead make {self.batches_ahead} batch(es) of about {self.batch_s * 1000:.0f} ms on "
+            f"{self.instances} instance(s){running}"
+        )
+
+
+def predict_answer(
+    now: float,
+    instances: Sequence[InstanceLoad],
+    *,
+    queued_ahead: int,
+    max_batch: int,
+    max_delay_s: float,
+    lag_s: float = 0.0,
+    margin: float = MARGIN_DEVIATIONS,
+) -> Prediction | None:
+    """Seconds until a request queued now would be answered: the full batches ahead of it, run
+    on whichever instance frees first, then its own batch. None when no instance serves or none
+    has been timed yet (nothing to predict from)."""
+    timed = [i for i in instances if i.times.seeded]
+    if not timed:
+        return None
+    max_batch = max(1, max_batch)
+    free = [(max(now, i.busy_until if i.busy_until is not None else now), k) for k, i in enumerate(timed)]
+    running_left = min(f for f, _ in free) - now
+    heapq.heapify(free)
+    full_batches, own_size = divmod(queued_ahead, max_batch)
+    own_size += 1
+    stepped = min(full_batches, MAX_STEPPED_BATCHES)
+    for _ in range(stepped):
+        at, k = heapq.heappop(free)
+        heapq.heappush(free, (at + timed[k].times.seconds(max_batch, now, margin), k))
+    at, k = heapq.heappop(free)
+    if full_batches > stepped:  # far behind: the instances' combined rate is close enough
+        rate = sum(1.0 / max(i.times.seconds(max_batch, now, margin), 1e-9) for i in timed)
+        at += (full_batches - stepped) / rate
+    if own_size < max_batch:
+        at = max(at, now + max_delay_s)  # a batch that is not full waits for its delay
+    answer_at = at + timed[k].times.seconds(own_size, now, margin) + max(0.0, lag_s)
+    return Prediction(
+        answer_in_s=answer_at - now,
+        queued_ahead=queued_ahead,
+        batches_ahead=full_batches,
+        batch_s=min(i.times.seconds(max_batch, now, margin) for i in timed),
+        running_left_s=running_left,
+        instances=len(timed),
+    )
+
+
+@dataclass
+class ProbeGate:
+    """While admission refuses and nothing is being measured (no batch has finished for
+    `interval_s`), let one request through every `interval_s` to measure. Under a real overload
+    batches keep finishing, so the estimate is fresh and no request is let through against it."""
+
+    interval_s: float = 0.5
+    last_at: float | None = None
+    probes: int = 0
+
+    def open(self, now: float, last_sample_at: float | None = None) -> bool:
+        fresh = last_sample_at is not None and now - last_sample_at < self.interval_s
+        return not fresh and (self.last_at is None or now - self.last_at >= self.interval_s)
+
+    def take(self, now: float) -> None:
+        self.last_at = now
+        self.probes += 1
+
+
+@dataclass(frozen=True)
+class AdmissionDecision:
+    admit: bool
+    probe: bool = False  # admitted against the prediction, to measure
+    measure: bool = False  # admitted without a prediction's backing (idle, untimed, probe): never dropped
+    reason: str = ""  # as doomed at dispatch, so that its real answer time is seen
+    retry_after_s: float = 1.0
+
+
+def decide_admission(
+    prediction: Prediction | None, budget_s: float, *, idle: bool, gate: ProbeGate, now: float,
+    last_sample_at: float | None = None, take_probe: bool = True,
+) -> AdmissionDecision:
+    """Admit unless the prediction says the answer would come after the deadline.
+
+    An idle model (nothing queued, an instance free) always admits: its real answer time is
+    then measured. A model with no timing yet admits. A refusing model whose estimate is not
+    being refreshed (no batch finished since `last_sample_at`) still admits one request per probe
+    interval, so the estimate follows reality down as well as up. With `take_probe`
+    False the gate is only looked at (an early check before the body is read; the real
+    decision comes after).
+    """
+    if idle:
+        return AdmissionDecision(True, measure=True, reason="idle")
+    if prediction is None:
+        return AdmissionDecision(True, measure=True, reason="no timing yet")
+    if prediction.answer_in_s <= budget_s:
+        return AdmissionDecision(True, reason="in time")
+    if gate.open(now, last_sample_at):
+        if take_probe:
+            gate.take(now)
+        return AdmissionDecision(True, probe=True, measure=True, reason="probe")
+    retry = max(1.0, prediction.answer_in_s - budget_s)
+    return AdmissionDecision(
+        False,
+        reason=f"{prediction.explain()}, more than this request's {budget_s * 1000:.0f} ms deadline",
+        retry_after_s=retry,
+    )
