@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.workloads import WORKLOADS, Workload, build_plugin
-from router.plugin import ModelPlugin, Payload
+from router.sdk.plugin import ModelPlugin, Payload
 
 __all__ = ["measure"]
 

@@ -23,7 +23,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 import litserve as ls
 
 from benchmarks.workloads import Workload, build_plugin, server_arguments
-from router.plugin import Payload
+from router.sdk.plugin import Payload
 
 __all__ = ["PluginAPI"]
 

@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from benchmarks.workloads import build_plugin, server_arguments
-from router.plugin import ModelPlugin, Payload
+from router.sdk.plugin import ModelPlugin, Payload
 
 __all__ = ["QUEUE_SIZE", "SUBMIT_TIMEOUT_S", "make_app"]
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from router.plugin import ModelPlugin, PluginContext
-from router.registry import PluginRegistry
+from router.sdk.plugin import ModelPlugin, PluginContext
+from router.serving.registry import PluginRegistry
 
 __all__ = ["REPO", "WORKLOADS", "Workload", "build_plugin", "server_arguments", "ultralytics_asset"]
 

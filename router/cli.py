@@ -10,11 +10,11 @@ import os
 import sys
 from pathlib import Path
 
-from router.auth import AccessPolicy, read_keys
 from router.config import ServerSettings, load_fleet
 from router.errors import ConfigError
-from router.plan import FleetPlan, resolve_fleet
-from router.registry import PluginRegistry
+from router.http.auth import AccessPolicy, read_keys
+from router.serving.plan import FleetPlan, resolve_fleet
+from router.serving.registry import PluginRegistry
 
 __all__ = ["build_plan", "main"]
 
@@ -37,10 +37,10 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from router.api import create_app
+    from router.http.app import create_app
+    from router.http.server import DrainingServer
     from router.logs import configure_logging
-    from router.runtime import Runtime
-    from router.server import DrainingServer
+    from router.serving.runtime import Runtime
 
     settings = _settings(args)
     configure_logging(settings.log_level)

@@ -13,6 +13,7 @@ __all__ = [
     "ExecutionTimeout",
     "Forbidden",
     "InputError",
+    "ModelDoesNotFit",
     "ModelError",
     "ModelNotFound",
     "ModelUnavailable",
@@ -95,6 +96,10 @@ class ModelUnavailable(Overloaded):
 
 class DeviceOutOfMemory(Overloaded):
     """A plugin may raise this for an out-of-memory condition its framework reports differently."""
+
+
+class ModelDoesNotFit(Overloaded):
+    """The model can never fit its devices' or its own memory budget (not an out-of-memory)."""
 
 
 class DeadlineExceeded(RouterError):

@@ -28,8 +28,8 @@ from typing import Any
 
 import httpx
 
-from router.images import example_jpeg
-from router.plugin import Payload
+from router.sdk.images import example_jpeg
+from router.sdk.plugin import Payload
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -290,7 +290,7 @@ def ledger_vs_readings(url: str, device: str, baseline: int, models: list[str]) 
 
 def memory_used(device: str) -> int:
     """The probe's reading before the router starts: the baseline its growth is measured from."""
-    from router.probes import HostMemoryProbe, NvmlProbe
+    from router.scheduling.probes import HostMemoryProbe, NvmlProbe
 
     probe = NvmlProbe(device) if device.startswith("cuda") else HostMemoryProbe(device)
     try:

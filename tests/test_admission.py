@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.admission import Admission, Candidate, DeviceState, fits, largest_fitting, plan_admission
+from router.scheduling.admission import Admission, Candidate, DeviceState, fits, largest_fitting, plan_admission
 
 AMPLE = 1_000_000
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.auth import Access, AccessPolicy, read_keys
 from router.errors import ConfigError, Forbidden, Unauthorized
+from router.http.auth import Access, AccessPolicy, read_keys
 from tests.conftest import serve
 
 PREDICT = "p" * 20

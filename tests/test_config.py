@@ -1,4 +1,4 @@
-"""Fleet parsing (router/config.py), plugin resolution (router/plan.py), `model-router check`, ServerSettings."""
+"""Fleet parsing (router/config.py), plugin resolution (router/serving/plan.py), `model-router check`, ServerSettings."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from router.cli import main
 from router.config import BatchPolicy, DeviceConfig, QueueConfig, ServerSettings, load_fleet
 from router.errors import ConfigError
-from router.plan import resolve_fleet
-from router.registry import PluginRegistry
+from router.serving.plan import resolve_fleet
+from router.serving.registry import PluginRegistry
 
 MINIMAL = "models:\n  m:\n    plugin: scripted\n"
 

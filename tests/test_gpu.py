@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from router.cli import build_plan
-from router.plugin import MemoryEstimate, ModelPlugin, Payload
-from router.probes import NvmlProbe
-from router.profiling import profile_cuda, profile_sizes
-from router.registry import PluginRegistry
-from router.runtime import Runtime
+from router.scheduling.probes import NvmlProbe
+from router.sdk.plugin import MemoryEstimate, ModelPlugin, Payload
+from router.serving.profiling import profile_cuda, profile_sizes
+from router.serving.registry import PluginRegistry
+from router.serving.runtime import Runtime
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""router.images: every way an uploaded image can be good or bad, and the status a client sees."""
+"""router.sdk.images: every way an uploaded image can be good or bad, and the status a client sees."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from router.errors import InputError, PayloadTooLarge, RouterError, UnsupportedMediaType
-from router.images import ACCEPTED_MEDIA_TYPES, decode_image, example_jpeg
-from router.plugin import Payload
+from router.sdk.images import ACCEPTED_MEDIA_TYPES, decode_image, example_jpeg
+from router.sdk.plugin import Payload
 
 EXIF_ORIENTATION = 0x0112
 
@@ -262,7 +262,7 @@ def test_unsupported_format_behind_a_generic_or_wrong_type_is_a_415_naming_it(fm
 
 
 def test_image_size_reads_only_the_header() -> None:
-    from router.images import image_size
+    from router.sdk.images import image_size
 
     assert image_size(png_header(100_000, 50_000)) == (100_000, 50_000)  # never decoded: 15 GB of pixels
     assert image_size(b"not an image") is None

@@ -23,8 +23,7 @@ from router.errors import (
     QueueFull,
     UnsupportedMediaType,
 )
-from router.images import decode_image
-from router.kserve_codec import (
+from router.http.kserve.codec import (
     InferRequest,
     InputKind,
     ItemFailed,
@@ -38,7 +37,8 @@ from router.kserve_codec import (
     signature,
     to_payloads,
 )
-from router.kserve_tensors import serialize_bytes
+from router.http.kserve.tensors import serialize_bytes
+from router.sdk.images import decode_image
 
 IMAGE = signature(("image/jpeg", "image/png", "application/octet-stream"))
 JSON_MODEL = signature(("application/json",))

@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 import pytest
 
-from router.probes import (
+from router.scheduling.probes import (
     HostMemoryProbe,
     MemoryProbe,
     MemoryReading,

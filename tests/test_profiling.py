@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from router.config import MemoryConfig
-from router.plugin import MemoryEstimate
-from router.profiling import SAFETY_MARGIN, apply_declared, fit_linear, max_batch_within, profile_sizes
+from router.sdk.plugin import MemoryEstimate
+from router.serving.profiling import SAFETY_MARGIN, apply_declared, fit_linear, max_batch_within, profile_sizes
 
 
 def test_fit_linear_recovers_fixed_and_per_item_from_exact_points() -> None:

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from router.cli import build_plan
 from router.errors import DeadlineExceeded, RouterError
-from router.plugin import Payload
-from router.runtime import Answer, Runtime
+from router.sdk.plugin import Payload
+from router.serving.runtime import Answer, Runtime
 
 FLEET = """
 devices:

@@ -6,7 +6,7 @@ import pytest
 
 from router.config import BatchPolicy
 from router.errors import QueueFull
-from router.queue import DrainRate, ModelQueue, Ticket, TicketState
+from router.scheduling.queue import DrainRate, ModelQueue, Ticket, TicketState
 
 
 def ticket(request_id: str, *, priority: int = 1, at: float = 0.0) -> Ticket:

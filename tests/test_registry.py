@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-import router.registry as registry_module
+import router.serving.registry as registry_module
 from router.errors import PluginValidationError, UnknownPlugin
-from router.plugin import MemoryEstimate, ModelPlugin, Payload
-from router.registry import ENTRY_POINT_GROUP, PluginRegistry
+from router.sdk.plugin import MemoryEstimate, ModelPlugin, Payload
+from router.serving.registry import ENTRY_POINT_GROUP, PluginRegistry
 
 
 class EchoPlugin(ModelPlugin[Any]):

@@ -22,11 +22,11 @@ from router.errors import (
     ModelError,
     ShuttingDown,
 )
-from router.instance import InstanceState
-from router.plugin import MemoryEstimate, ModelPlugin, Payload
-from router.probes import MemoryReading, ProbeError, ScriptedProbe, make_probe
-from router.registry import PluginRegistry
-from router.runtime import Answer, Runtime
+from router.scheduling.probes import MemoryReading, ProbeError, ScriptedProbe, make_probe
+from router.sdk.plugin import MemoryEstimate, ModelPlugin, Payload
+from router.serving.instance import InstanceState
+from router.serving.registry import PluginRegistry
+from router.serving.runtime import Answer, Runtime
 
 
 def ask(ident: str) -> Payload:

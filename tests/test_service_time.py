@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.config import BatchPolicy
-from router.queue import ModelQueue, Ticket
-from router.service_time import (
+from router.scheduling.queue import ModelQueue, Ticket
+from router.scheduling.service_time import (
     HALF_LIFE_S,
     BatchTime,
     DecayingTotal,

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from router.images import example_jpeg
-from router.plugin import Payload
+from router.sdk.images import example_jpeg
+from router.sdk.plugin import Payload
 from router.store import init_demo
 from tests.conftest import REPO, RouterProcess, metric_value, serve
 from tests.plugins.test_yolo import assert_same_detections

@@ -16,8 +16,8 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from router.images import decode_image
-from router.plugin import Payload
+from router.sdk.images import decode_image
+from router.sdk.plugin import Payload
 from router.store import init_demo
 from tests.conftest import REPO, RouterProcess, read_records, serve
 

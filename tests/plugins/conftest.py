@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from router.plugin import Payload
+from router.sdk.plugin import Payload
 from router.store import init_demo
 
 # The reference calls import ultralytics directly; keep its import-time connectivity probe off too.

@@ -22,9 +22,9 @@ from model_router_yolo import YoloOptions, YoloPlugin
 from pydantic import ValidationError
 
 from router.config import BatchPolicy, FleetConfig
-from router.plan import FleetPlan, resolve_fleet
-from router.plugin import Payload, PluginContext
-from router.registry import PluginRegistry
+from router.sdk.plugin import Payload, PluginContext
+from router.serving.plan import FleetPlan, resolve_fleet
+from router.serving.registry import PluginRegistry
 from tests.plugins.test_yolo import assert_same_detections
 
 IMGSZ = 320

@@ -17,8 +17,8 @@ from model_router_resnet import ARCHS, ResNetOptions, ResNetPlugin
 from pydantic import ValidationError
 
 from router.errors import InputError
-from router.plugin import Payload, PluginContext
-from router.registry import PluginRegistry
+from router.sdk.plugin import Payload, PluginContext
+from router.serving.registry import PluginRegistry
 
 SCORE_TOLERANCE = 1e-4
 

@@ -20,9 +20,9 @@ from model_router_tensorrt.limits import engine_estimate, startup_error, startup
 from pydantic import ValidationError
 
 from router.config import FleetConfig
-from router.plan import FleetPlan, resolve_fleet
-from router.plugin import Payload, PluginContext
-from router.registry import PluginRegistry
+from router.sdk.plugin import Payload, PluginContext
+from router.serving.plan import FleetPlan, resolve_fleet
+from router.serving.registry import PluginRegistry
 
 # -- options -------------------------------------------------------------------------------------------
 
@@ -134,7 +134,7 @@ def test_missing_tensorrt_package_is_a_clear_error(tmp_path: Path, monkeypatch: 
 
 
 def test_the_package_imports_and_registers_without_tensorrt() -> None:
-    code = ("import sys, model_router_tensorrt; from router.registry import PluginRegistry; "
+    code = ("import sys, model_router_tensorrt; from router.serving.registry import PluginRegistry; "
             "assert PluginRegistry.from_entry_points().get('tensorrt').cls is model_router_tensorrt.TensorRTPlugin; "
             "print('tensorrt' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)

@@ -19,8 +19,8 @@ from PIL import Image
 from pydantic import ValidationError
 
 from router.errors import InputError, UnsupportedMediaType
-from router.plugin import Payload, PluginContext
-from router.registry import PluginRegistry
+from router.sdk.plugin import Payload, PluginContext
+from router.serving.registry import PluginRegistry
 
 IMGSZ = 320  # small for speed; the comparison is the same at any size
 CONF = 0.1  # the untrained demo model finds 0 to ~1200 boxes per test photo at this threshold

@@ -32,8 +32,8 @@ from model_router_onnx.metadata import (
 )
 from model_router_onnx.parity import FP32, ParityReport, check_payloads, compare
 from router.config import BatchPolicy
-from router.plan import FleetPlan
-from router.plugin import ModelPlugin, PluginContext
+from router.sdk import ModelPlugin, PluginContext
+from router.serving.plan import FleetPlan
 
 __all__ = ["ExportError", "OnnxExport", "Progress", "export_model", "export_onnx", "profile_from_policy"]
 

@@ -43,7 +43,7 @@ def _tensor_bytes(onnx: Any, data_type: int, dims: Any) -> int:
 
 def _activation_bytes(onnx: Any, proto: Any) -> int:
     """Sum of every intermediate tensor for one input (symbolic dims taken as 1): an upper bound on
-    what one more item in a batch costs, like `router.torch_memory.activation_bytes` for torch."""
+    what one more item in a batch costs, like `router.sdk.torch_memory.activation_bytes` for torch."""
     try:
         inferred = onnx.shape_inference.infer_shapes(proto)
     except Exception:  # a graph shape inference cannot follow: no estimate rather than no model

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from router.images import example_jpeg
-from router.plugin import Payload
+from router.sdk import Payload, example_jpeg
 
 __all__ = ["FP16", "FP32", "ParityReport", "Tolerance", "check_payloads", "compare", "top_k_agree"]
 

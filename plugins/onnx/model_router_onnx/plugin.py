@@ -16,8 +16,7 @@ from model_router_onnx.graph import GraphFacts, read_graph
 from model_router_onnx.metadata import ExportMetadata
 from model_router_onnx.providers import CUDA, TENSORRT, ProviderError, choose_providers, device_index
 from model_router_onnx.tasks import ServingOverrides, TaskProcessing, build_processing
-from router.images import ACCEPTED_MEDIA_TYPES, example_jpeg, image_size
-from router.plugin import MemoryEstimate, ModelPlugin, Payload, PluginContext
+from router.sdk import ACCEPTED_MEDIA_TYPES, MemoryEstimate, ModelPlugin, Payload, PluginContext, example_jpeg, image_size
 
 __all__ = ["OnnxOptions", "OnnxPlugin"]
 

@@ -14,8 +14,7 @@ from model_router_yolo.processing import check_class_ids
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model_router_onnx.metadata import ExportMetadata, Normalisation
-from router.images import DEFAULT_MAX_PIXELS
-from router.plugin import Payload
+from router.sdk import DEFAULT_MAX_PIXELS, Payload
 
 __all__ = ["ServingOverrides", "TaskProcessing", "build_processing"]
 

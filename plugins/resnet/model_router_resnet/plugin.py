@@ -13,9 +13,18 @@ import torchvision
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model_router_resnet.processing import CROP, ClassifyProcessing, TopK
-from router.images import ACCEPTED_MEDIA_TYPES, DEFAULT_MAX_PIXELS, example_jpeg, image_size
-from router.plugin import MemoryEstimate, ModelPlugin, Payload, PluginContext
-from router.torch_memory import activation_bytes, tensor_bytes
+from router.sdk import (
+    ACCEPTED_MEDIA_TYPES,
+    DEFAULT_MAX_PIXELS,
+    MemoryEstimate,
+    ModelPlugin,
+    Payload,
+    PluginContext,
+    activation_bytes,
+    example_jpeg,
+    image_size,
+    tensor_bytes,
+)
 
 __all__ = ["ARCHS", "ResNetOptions", "ResNetPlugin", "TopK"]
 

@@ -15,8 +15,7 @@ import torch
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
-from router.images import DEFAULT_MAX_PIXELS, decode_image
-from router.plugin import Payload
+from router.sdk import DEFAULT_MAX_PIXELS, Payload, decode_image
 
 __all__ = ["CROP", "MEAN", "RESIZE", "STD", "ClassifyProcessing", "TopK"]
 

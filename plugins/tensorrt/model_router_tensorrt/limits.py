@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.plugin import MemoryEstimate
+from router.sdk import MemoryEstimate
 
 __all__ = [
     "BatchLimits",

@@ -20,8 +20,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from model_router_tensorrt.limits import BatchLimits, engine_estimate, startup_error, startup_problems
 from model_router_tensorrt.runner import EngineRunner, tensorrt_version
-from router.images import ACCEPTED_MEDIA_TYPES, example_jpeg
-from router.plugin import MemoryEstimate, ModelPlugin, Payload, PluginContext
+from router.sdk import ACCEPTED_MEDIA_TYPES, MemoryEstimate, ModelPlugin, Payload, PluginContext, example_jpeg
 
 __all__ = ["TensorRTOptions", "TensorRTPlugin"]
 

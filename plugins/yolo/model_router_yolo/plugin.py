@@ -12,9 +12,17 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model_router_yolo.processing import DetectSettings, Letterboxed, YoloProcessing, check_class_ids
 from model_router_yolo.processing import offline as _offline
-from router.images import ACCEPTED_MEDIA_TYPES, DEFAULT_MAX_PIXELS, example_jpeg
-from router.plugin import MemoryEstimate, ModelPlugin, Payload, PluginContext
-from router.torch_memory import activation_bytes, tensor_bytes
+from router.sdk import (
+    ACCEPTED_MEDIA_TYPES,
+    DEFAULT_MAX_PIXELS,
+    MemoryEstimate,
+    ModelPlugin,
+    Payload,
+    PluginContext,
+    activation_bytes,
+    example_jpeg,
+    tensor_bytes,
+)
 
 if TYPE_CHECKING:
     from ultralytics.nn.autobackend import AutoBackend

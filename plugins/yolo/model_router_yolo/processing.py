@@ -16,8 +16,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from router.images import DEFAULT_MAX_PIXELS, decode_image
-from router.plugin import Payload
+from router.sdk import DEFAULT_MAX_PIXELS, Payload, decode_image
 
 __all__ = ["DetectSettings", "Letterboxed", "YoloProcessing", "check_class_ids", "offline"]
 

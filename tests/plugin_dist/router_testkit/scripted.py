@@ -15,8 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.errors import DeviceOutOfMemory, InputError
-from router.plugin import MemoryEstimate, ModelPlugin, Payload
+from router.sdk import DeviceOutOfMemory, InputError, MemoryEstimate, ModelPlugin, Payload
 
 
 class ScriptedOptions(BaseModel):

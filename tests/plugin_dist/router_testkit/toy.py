@@ -9,8 +9,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.errors import InputError
-from router.plugin import MemoryEstimate, ModelPlugin, Payload
+from router.sdk import InputError, MemoryEstimate, ModelPlugin, Payload
 
 IN_FEATURES = 16
 

@@ -9,12 +9,10 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from router.config import ModelConfig
-from router.instance import InstanceState, ModelInstance
-from router.plugin import MemoryEstimate, ModelPlugin
-from router.queue import ModelQueue
-from router.registry import PluginInfo
-from router.service_time import (
+from router.config import BatchPolicy, ModelConfig
+from router.scheduling.queue import ModelQueue
+from router.scheduling.scheduler import Runner
+from router.scheduling.service_time import (
     MARGIN_DEVIATIONS,
     AdmissionDecision,
     Lag,
@@ -23,6 +21,9 @@ from router.service_time import (
     decide_admission,
     predict_answer,
 )
+from router.sdk.plugin import ModelPlugin
+from router.serving.instance import InstanceState, ModelInstance
+from router.serving.registry import PluginInfo
 
 __all__ = ["Deployment", "ModelState"]
 
@@ -46,8 +47,6 @@ class Deployment:
     instances: list[ModelInstance] = field(default_factory=list)
     loaded: bool = False
     error: str | None = None
-    estimate: MemoryEstimate | None = None
-    max_batch: int = 1
     outcomes: Counter[str] = field(default_factory=Counter)
     lag: Lag = field(default_factory=Lag)  # batch end to answer: postprocessing and event-loop lag
     gate: ProbeGate = field(default_factory=ProbeGate)
@@ -59,8 +58,8 @@ class Deployment:
         """When a request queued now would be answered (None: nothing timed to predict from)."""
         return predict_answer(
             now, [i.load_view() for i in self.ready_instances()], queued_ahead=self.queue.occupancy,
-            max_batch=self.max_batch, max_delay_s=self.config.batch.max_delay_s, lag_s=self.lag.at(now),
-            margin=margin,
+            max_batch=self.config.batch.max_size, max_delay_s=self.config.batch.max_delay_s,
+            lag_s=self.lag.at(now), margin=margin,
         )
 
     @property
@@ -74,10 +73,18 @@ class Deployment:
         return decide_admission(self.predict(now), budget_s, idle=self.idle, gate=self.gate, now=now,
                                 last_sample_at=max(samples, default=None), take_probe=take_probe)
 
-    def dispatch_horizon_s(self, instance: ModelInstance, size: int, now: float) -> float:
+    def dispatch_horizon_s(self, instance: Runner, size: int, now: float) -> float:
         """Time from dispatch to answer of a batch of `size` on `instance`, with admission's margin:
         a request whose deadline falls before it is answered 504 at dispatch instead of run."""
         return instance.times.seconds(size, now, MARGIN_DEVIATIONS) + self.lag.at(now)
+
+    @property
+    def batch_policy(self) -> BatchPolicy:
+        return self.config.batch
+
+    @property
+    def weight(self) -> float:
+        return self.config.weight
 
     @property
     def state(self) -> ModelState:
@@ -114,7 +121,8 @@ class Deployment:
     def describe(self) -> dict[str, object]:
         """The model's public status, as GET /models/{name} shows it."""
         batch = self.config.batch
-        estimate = self.estimate
+        sized = next((i for i in self.instances if i.estimate is not None), None)  # the first loaded instance's
+        estimate = sized.estimate if sized else None
         return {
             "name": self.name,
             "state": self.state.value,
@@ -123,7 +131,10 @@ class Deployment:
             "devices": self.config.instance_devices,
             "instances": [
                 {"index": i.index, "device": i.device, "state": i.state.value, "busy": i.busy,
-                 "batches": i.batches, "error": i.error}
+                 "batches": i.batches, "error": i.error, "max_batch": i.max_batch,
+                 "memory": None if i.estimate is None else {
+                     "weights_bytes": i.estimate.weights_bytes, "per_item_bytes": i.estimate.per_item_bytes,
+                     "fixed_bytes": i.estimate.fixed_bytes, "source": i.estimate.source}}
                 for i in self.instances
             ],
             "queue": {
@@ -132,7 +143,7 @@ class Deployment:
                 "timeout_ms": self.config.queue.timeout_ms,
                 "priority_levels": self.config.queue.priority_levels,
             },
-            "batch": {"max_size": batch.max_size, "max_delay_ms": batch.max_delay_ms, "effective_max_size": self.max_batch},
+            "batch": {"max_size": batch.max_size, "max_delay_ms": batch.max_delay_ms, "effective_max_size": sized.max_batch if sized else 1},
             "memory": {
                 "budget_bytes": self.budget_bytes,
                 "weights_bytes": estimate.weights_bytes if estimate else None,
@@ -156,7 +167,7 @@ class Deployment:
             instances.append({
                 "index": i.index, "source": i.times.source, "samples": i.times.samples,
                 "batch_1_ms": round(i.times.seconds(1, now) * 1000, 3),
-                "batch_max_ms": round(i.times.seconds(self.max_batch, now) * 1000, 3),
+                "batch_max_ms": round(i.times.seconds(i.max_batch, now) * 1000, 3),
                 "load_factor": round(factor, 3), "spread": round(spread, 3),
             })
         return {"instances": instances, "answer_lag_ms": round(self.lag.at(now) * 1000, 3), "probes": self.gate.probes}

@@ -170,6 +170,7 @@ class InstanceLoad:
 
     times: BatchTime
     busy_until: float | None = None  # expected end of its running batch; None when idle
+    max_batch: int = 0  # its batch cap; 0: the model's
 
 
 @dataclass(frozen=True)
@@ -202,34 +203,40 @@ def predict_answer(
     lag_s: float = 0.0,
     margin: float = MARGIN_DEVIATIONS,
 ) -> Prediction | None:
-    """Seconds until a request queued now would be answered: the full batches ahead of it, run
-    on whichever instance frees first, then its own batch. None when no instance serves or none
-    has been timed yet (nothing to predict from)."""
+    """Seconds until a request queued now would be answered: the full batches ahead of it, each
+    run on whichever instance frees first, then its own batch. None when no instance serves or
+    none has been timed yet (nothing to predict from)."""
     timed = [i for i in instances if i.times.seeded]
     if not timed:
         return None
-    max_batch = max(1, max_batch)
+    caps = [max(1, i.max_batch or max_batch) for i in timed]
+    full = [i.times.seconds(cap, now, margin) for i, cap in zip(timed, caps, strict=True)]
     free = [(max(now, i.busy_until if i.busy_until is not None else now), k) for k, i in enumerate(timed)]
     running_left = min(f for f, _ in free) - now
     heapq.heapify(free)
-    full_batches, own_size = divmod(queued_ahead, max_batch)
-    own_size += 1
-    stepped = min(full_batches, MAX_STEPPED_BATCHES)
-    for _ in range(stepped):
+    remaining, batches = queued_ahead, 0
+    while True:
         at, k = heapq.heappop(free)
-        heapq.heappush(free, (at + timed[k].times.seconds(max_batch, now, margin), k))
-    at, k = heapq.heappop(free)
-    if full_batches > stepped:  # far behind: the instances' combined rate is close enough
-        rate = sum(1.0 / max(i.times.seconds(max_batch, now, margin), 1e-9) for i in timed)
-        at += (full_batches - stepped) / rate
-    if own_size < max_batch:
+        if remaining < caps[k]:
+            break
+        if batches >= MAX_STEPPED_BATCHES:  # far behind: the instances' combined rate is close enough
+            rate = sum(cap / max(seconds, 1e-9) for cap, seconds in zip(caps, full, strict=True))
+            at += remaining / rate
+            batches += remaining // caps[k]
+            remaining %= caps[k]
+            break
+        heapq.heappush(free, (at + full[k], k))
+        remaining -= caps[k]
+        batches += 1
+    own_size = remaining + 1
+    if own_size < caps[k]:
         at = max(at, now + max_delay_s)  # a batch that is not full waits for its delay
     answer_at = at + timed[k].times.seconds(own_size, now, margin) + max(0.0, lag_s)
     return Prediction(
         answer_in_s=answer_at - now,
         queued_ahead=queued_ahead,
-        batches_ahead=full_batches,
-        batch_s=min(i.times.seconds(max_batch, now, margin) for i in timed),
+        batches_ahead=batches,
+        batch_s=min(full),
         running_left_s=running_left,
         instances=len(timed),
     )

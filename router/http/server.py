@@ -10,11 +10,11 @@ from typing import Any
 
 import uvicorn
 
-from router.runtime import Runtime
+from router.serving.runtime import Runtime
 
 __all__ = ["DrainingServer"]
 
-log = logging.getLogger("router.server")
+log = logging.getLogger("router.http.server")
 
 
 class DrainingServer(uvicorn.Server):

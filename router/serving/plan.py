@@ -9,7 +9,7 @@ from pydantic import BaseModel, ValidationError
 
 from router.config import FleetConfig, format_validation_error
 from router.errors import ConfigError, UnknownPlugin
-from router.registry import PluginInfo, PluginRegistry
+from router.serving.registry import PluginInfo, PluginRegistry
 
 __all__ = ["FleetPlan", "ModelPlan", "resolve_fleet"]
 

@@ -19,15 +19,16 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from router import __version__
-from router.auth import Access, AccessPolicy, access_guard
-from router.disconnect import run_unless_disconnected
 from router.errors import InputError, RouterError
-from router.kserve import v2_router
+from router.http.auth import Access, AccessPolicy, access_guard
+from router.http.disconnect import run_unless_disconnected
+from router.http.kserve.routes import v2_router
+from router.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from router.http.metrics import RouterMetrics
+from router.http.request_state import mark_received, received_at
 from router.logs import request_id_var
-from router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from router.plugin import Payload
-from router.request_state import mark_received, received_at
-from router.runtime import Runtime
+from router.sdk.plugin import Payload
+from router.serving.runtime import Runtime
 
 __all__ = ["create_app"]
 
@@ -151,7 +152,8 @@ async def ready(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
 
 @get("/metrics", media_type=METRICS_CONTENT_TYPE, summary="Prometheus metrics", opt={"access": Access.METRICS})
 async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
-    return Response(_runtime(request).metrics.render(), media_type=METRICS_CONTENT_TYPE)
+    metrics: RouterMetrics = request.app.state.metrics
+    return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
 
 # -- errors, request ids, access log ----------------------------------------------------------------
@@ -246,5 +248,8 @@ def create_app(
         logging_config=None,
     )
     app.state.runtime = runtime
+    router_metrics = RouterMetrics()
+    router_metrics.bind(runtime)
+    app.state.metrics = router_metrics
     app.state.access_policy = access_policy or AccessPolicy()
     return app

@@ -1,6 +1,6 @@
 """Open Inference Protocol (KServe V2 REST, Triton's HTTP API) on the router's queues, batching and budget.
 
-Handlers only decode, submit, await and encode; the V2 codec is `router.kserve_codec`. Errors on
+Handlers only decode, submit, await and encode; the V2 codec is `router.http.kserve.codec`. Errors on
 these routes answer in the V2 shape `{"error": "..."}` through this router's own exception
 handler (`encode_error` holds the mapping); the native routes keep `{"detail": ...}`.
 """
@@ -18,11 +18,10 @@ from typing import Any, Final
 from litestar import MediaType, Request, Response, Router, get, post
 
 from router import __version__
-from router.auth import Access
-from router.deployment import Deployment, ModelState
-from router.disconnect import run_unless_disconnected
 from router.errors import InputError, ModelNotFound, PayloadTooLarge, RouterError, UnsupportedMediaType
-from router.kserve_codec import (
+from router.http.auth import Access
+from router.http.disconnect import run_unless_disconnected
+from router.http.kserve.codec import (
     HEADER_LENGTH,
     MODEL_VERSION,
     InferRequest,
@@ -37,14 +36,15 @@ from router.kserve_codec import (
     signature,
     to_payloads,
 )
+from router.http.request_state import received_at
 from router.logs import request_id_var
-from router.plugin import Payload
-from router.request_state import received_at
-from router.runtime import Answer, Runtime
+from router.sdk.plugin import Payload
+from router.serving.deployment import Deployment, ModelState
+from router.serving.runtime import Answer, Runtime
 
 __all__ = ["v2_router"]
 
-log = logging.getLogger("router.kserve")
+log = logging.getLogger("router.http.kserve.routes")
 EXTENSIONS: Final = ["binary_tensor_data", "model_repository"]
 DEFAULT_BODY_LIMIT: Final = 20 * 1024 * 1024
 #: Triton's model states, from the router's.

@@ -10,7 +10,7 @@ from importlib.metadata import entry_points
 from pydantic import BaseModel
 
 from router.errors import PluginValidationError, UnknownPlugin
-from router.plugin import ModelPlugin
+from router.sdk.plugin import ModelPlugin
 
 __all__ = ["ENTRY_POINT_GROUP", "PluginInfo", "PluginRegistry"]
 

@@ -15,7 +15,7 @@ from typing import Any
 from router.config import BatchPolicy
 from router.errors import QueueFull
 
-__all__ = ["DrainRate", "ModelQueue", "Ticket", "TicketState"]
+__all__ = ["DrainRate", "ModelQueue", "Ticket", "TicketState", "reject", "resolve"]
 
 
 class TicketState(enum.Enum):
@@ -41,6 +41,18 @@ class Ticket:
     execution_s: float = 0.0
     memory_delta_bytes: int | None = None
     measure: bool = False  # admitted to measure the model (idle, untimed, probe): never dropped as doomed
+
+
+def resolve(ticket: Ticket, result: Any) -> None:
+    """Answer a ticket, unless it already has an answer (every ticket is answered exactly once)."""
+    if not ticket.future.done():
+        ticket.future.set_result(result)
+
+
+def reject(ticket: Ticket, error: BaseException) -> None:
+    """Answer a ticket with an error, unless it already has an answer."""
+    if not ticket.future.done():
+        ticket.future.set_exception(error)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 The decision is `plan_admission` (pure). This module is the thin loop around it: gather the
 inputs, read the probe, carry out the plan, and sleep until the next batch is due or something
-changes.
+changes. It sees models and instances only through the `Model` and `Runner` protocols below,
+so tests drive it with fakes, and the serving layer above it is free to change.
 """
 
 from __future__ import annotations
@@ -10,22 +11,57 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from router.admission import Candidate, DeviceState, Plan, fits, plan_admission
-from router.config import DeviceConfig
-from router.deployment import Deployment
-from router.errors import DeadlineExceeded
-from router.instance import ModelInstance, reject
-from router.ledger import MemoryLedger, Reservation
-from router.probes import MemoryProbe, MemoryReading, ProbeError
-from router.queue import Ticket
-from router.service_time import DecayingTotal
+from router.config import BatchPolicy, DeviceConfig
+from router.errors import DeadlineExceeded, ModelDoesNotFit
+from router.scheduling.admission import Candidate, DeviceState, Plan, fits, plan_admission
+from router.scheduling.ledger import MemoryLedger, Reservation
+from router.scheduling.probes import MemoryProbe, MemoryReading, ProbeError
+from router.scheduling.queue import ModelQueue, Ticket, reject
+from router.scheduling.service_time import BatchTime, DecayingTotal
+from router.sdk.plugin import MemoryEstimate
 
-__all__ = ["DeviceScheduler"]
+__all__ = ["DeviceScheduler", "Model", "Runner"]
 
-log = logging.getLogger("router.scheduler")
+log = logging.getLogger("router.scheduling.scheduler")
 IDLE_REFRESH_S = 1.0
+
+
+class Runner(Protocol):
+    """One model instance on this device, as its scheduler sees it."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def schedulable(self) -> bool: ...  # loaded, in service and not running a batch
+    @property
+    def estimate(self) -> MemoryEstimate | None: ...  # this instance's memory figures
+    @property
+    def max_batch(self) -> int: ...  # this instance's batch cap (its budget may lower batch.max_size)
+    @property
+    def times(self) -> BatchTime: ...  # its batch execution time estimate
+    def begin_batch(self, size: int, now: float) -> None: ...
+    def end_batch(self) -> None: ...
+    async def execute(self, tickets: Sequence[Ticket]) -> None: ...  # answers every ticket
+    async def wait_idle(self) -> None: ...  # returns once its thread is really free
+
+
+class Model(Protocol):
+    """A model with instances on this device, as its scheduler sees it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def queue(self) -> ModelQueue: ...
+    @property
+    def batch_policy(self) -> BatchPolicy: ...
+    @property
+    def weight(self) -> float: ...  # fair-share weight
+    @property
+    def budget_bytes(self) -> int | None: ...  # cap on its weights + running batches
+    def dispatch_horizon_s(self, runner: Runner, size: int, now: float) -> float: ...
 
 
 class DeviceScheduler:
@@ -51,7 +87,7 @@ class DeviceScheduler:
         self.restarts = 0
         self._probe_failing = False
         self._last_read_at = 0.0
-        self._members: list[tuple[Deployment, ModelInstance]] = []
+        self._members: list[tuple[Model, Runner]] = []
         self._served_s: dict[str, DecayingTotal] = {}
         self._event = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -75,19 +111,31 @@ class DeviceScheduler:
             self.budget_bytes = int(self.total_bytes * self.config.memory_fraction)
         return self.budget_bytes
 
-    def attach(self, deployment: Deployment, instance: ModelInstance) -> None:
-        self._members.append((deployment, instance))
+    def attach(self, model: Model, runner: Runner) -> None:
+        self._members.append((model, runner))
 
-    def check_fits(self, deployment: Deployment, instance: ModelInstance, weights_bytes: int) -> None:
+    def detach(self, runner: Runner) -> None:
+        self._members = [(m, r) for m, r in self._members if r is not runner]
+
+    def check_fits(self, model: Model, runner: Runner, weights_bytes: int) -> None:
         """Refuse an instance whose single-input batch could never fit beside the loaded weights."""
-        candidate = self._candidate(deployment, instance)
+        candidate = self._candidate(model, runner)
         resident = self.ledger.weights_bytes + weights_bytes
         if not fits(candidate, 1, self._device_state(), resident_bytes=resident):
-            raise MemoryError(
-                f"model {deployment.name!r}: one input needs {candidate.batch_bytes(1)} bytes; with "
+            raise ModelDoesNotFit(
+                f"model {model.name!r}: one input needs {candidate.batch_bytes(1)} bytes; with "
                 f"{resident} bytes of weights loaded on {self.device} that does not fit the model budget "
-                f"({deployment.budget_bytes}) or the device budget ({self.budget_bytes})"
+                f"({model.budget_bytes}) or the device budget ({self.budget_bytes})"
             )
+
+    def book_weights(self, model: Model, runner: Runner, nbytes: int) -> None:
+        """An instance's weights are now held on this device (the ledger is written only here)."""
+        self.ledger.book_weights(runner.key, model.name, nbytes)
+        self.notify()
+
+    def release_weights(self, runner: Runner) -> None:
+        self.ledger.release_weights(runner.key)
+        self.notify()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._supervise(), name=f"scheduler-{self.device}")
@@ -140,14 +188,14 @@ class DeviceScheduler:
         now = self.clock()
         candidates: list[Candidate] = []
         next_due: float | None = None
-        for deployment, instance in self._members:
-            if not instance.schedulable:
+        for model, runner in self._members:
+            if not runner.schedulable:
                 continue
-            due = deployment.queue.due_at(deployment.config.batch, deployment.max_batch)
+            due = model.queue.due_at(model.batch_policy, runner.max_batch)
             if due is None:
                 continue
             if due <= now:
-                candidates.append(self._candidate(deployment, instance))
+                candidates.append(self._candidate(model, runner))
             elif next_due is None or due < next_due:
                 next_due = due
         if not candidates:
@@ -158,10 +206,10 @@ class DeviceScheduler:
         reading = self._read(max_age_s=self.config.poll_interval_ms / 1000.0)
         plan = plan_admission(candidates, self._device_state(reading=reading))
         self._record_plan(plan)
-        by_key = {instance.key: (d, instance) for d, instance in self._members}
+        by_key = {runner.key: (model, runner) for model, runner in self._members}
         for admission in plan.admits:
-            deployment, instance = by_key[admission.instance]
-            self._dispatch(deployment, instance, admission.size, now)
+            model, runner = by_key[admission.instance]
+            self._dispatch(model, runner, admission.size, now)
         if plan.paused or plan.blocked:
             poll = now + self.config.poll_interval_ms / 1000.0
             next_due = poll if next_due is None else min(next_due, poll)
@@ -203,18 +251,18 @@ class DeviceScheduler:
             paused=self.paused,
         )
 
-    def _candidate(self, deployment: Deployment, instance: ModelInstance) -> Candidate:
-        estimate = deployment.estimate
+    def _candidate(self, model: Model, runner: Runner) -> Candidate:
+        estimate = runner.estimate
         return Candidate(
-            model=deployment.name,
-            instance=instance.key,
-            queued=deployment.queue.depth,
-            max_batch=deployment.max_batch,
+            model=model.name,
+            instance=runner.key,
+            queued=model.queue.depth,
+            max_batch=runner.max_batch,
             per_item_bytes=estimate.per_item_bytes if estimate else 0,
             fixed_bytes=estimate.fixed_bytes if estimate else 0,
-            model_budget=deployment.budget_bytes,
-            model_bytes=self.ledger.model_bytes(deployment.name),
-            share=self._served(deployment.name).at(self.clock()) / deployment.config.weight,
+            model_budget=model.budget_bytes,
+            model_bytes=self.ledger.model_bytes(model.name),
+            share=self._served(model.name).at(self.clock()) / model.weight,
         )
 
     def _served(self, model: str) -> DecayingTotal:
@@ -227,37 +275,35 @@ class DeviceScheduler:
         self.paused = plan.paused
         self.last_plan = plan
 
-    def _dispatch(self, deployment: Deployment, instance: ModelInstance, size: int, now: float) -> None:
-        horizon = deployment.dispatch_horizon_s(instance, size, now)
-        tickets, doomed = deployment.queue.take_viable(size, now, horizon)
+    def _dispatch(self, model: Model, runner: Runner, size: int, now: float) -> None:
+        horizon = model.dispatch_horizon_s(runner, size, now)
+        tickets, doomed = model.queue.take_viable(size, now, horizon)
         for ticket in doomed:  # the answer would come after their deadline: answer now, run nothing
             reject(ticket, DeadlineExceeded(
-                f"model {deployment.name!r} cannot answer before the deadline (an answer takes about "
+                f"model {model.name!r} cannot answer before the deadline (an answer takes about "
                 f"{horizon * 1000:.0f} ms from dispatch); the input was not run"
             ))
         if not tickets:
             return
-        estimate = deployment.estimate
+        estimate = runner.estimate
         nbytes = estimate.batch_bytes(len(tickets)) if estimate else 0
-        reservation = self.ledger.reserve(deployment.name, nbytes)
-        instance.begin_batch(len(tickets), now)
-        task = asyncio.create_task(self._run(deployment, instance, tickets, reservation))
+        reservation = self.ledger.reserve(model.name, nbytes)
+        runner.begin_batch(len(tickets), now)
+        task = asyncio.create_task(self._run(model, runner, tickets, reservation))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _run(
-        self, deployment: Deployment, instance: ModelInstance, tickets: list[Ticket], reservation: Reservation
-    ) -> None:
+    async def _run(self, model: Model, runner: Runner, tickets: list[Ticket], reservation: Reservation) -> None:
         started = self.clock()
         before = self.last_reading
         try:
-            await instance.execute(tickets)
+            await runner.execute(tickets)
             self._record_memory_change(tickets, before)  # before the callers resume: no await in between
-            await instance.wait_idle()  # a stalled batch keeps its memory until its thread returns
+            await runner.wait_idle()  # a stalled batch keeps its memory until its thread returns
         finally:
             self.ledger.release(reservation)
-            instance.end_batch()
-            self._served(deployment.name).add(self.clock() - started, self.clock())
+            runner.end_batch()
+            self._served(model.name).add(self.clock() - started, self.clock())
             self.notify()
 
     def _record_memory_change(self, tickets: list[Ticket], before: MemoryReading | None) -> None:

@@ -9,15 +9,16 @@ import logging
 import time
 from collections.abc import Mapping
 
-from router.deployment import Deployment
-from router.instance import InstanceState, ModelInstance
-from router.plugin import MemoryEstimate
-from router.profiling import apply_declared, max_batch_within, profile_cuda, profile_sizes
-from router.scheduler import DeviceScheduler
+from router.errors import ModelDoesNotFit
+from router.scheduling.scheduler import DeviceScheduler
+from router.sdk.plugin import MemoryEstimate
+from router.serving.deployment import Deployment
+from router.serving.instance import InstanceState, ModelInstance
+from router.serving.profiling import apply_declared, max_batch_within, profile_cuda, profile_sizes
 
 __all__ = ["load_deployment"]
 
-log = logging.getLogger("router.loading")
+log = logging.getLogger("router.serving.loading")
 
 
 async def load_deployment(
@@ -53,19 +54,16 @@ async def _load_instance(deployment: Deployment, instance: ModelInstance, schedu
     estimate = await _warm_up(deployment, instance, estimate)
     limit = max_batch_within(estimate, deployment.budget_bytes, config.batch.max_size)
     if limit < 1:
-        raise MemoryError(
+        raise ModelDoesNotFit(
             f"model {name!r} needs {estimate.weights_bytes} bytes of weights plus "
             f"{estimate.batch_bytes(1)} for one input (+20% margin), over its budget of {deployment.budget_bytes}"
         )
-    if deployment.estimate is None or estimate.source == "profiled":
-        deployment.estimate = estimate
-        deployment.max_batch = limit
+    instance.estimate = estimate
+    instance.max_batch = limit
     scheduler.check_fits(deployment, instance, estimate.weights_bytes)
     if config.warmup.enabled:
         await _time_batches(deployment, instance, sorted({1, limit}))
-    scheduler.ledger.book_weights(instance.key, name, estimate.weights_bytes)
-    instance.estimate = estimate
-    instance.max_batch = limit
+    scheduler.book_weights(deployment, instance, estimate.weights_bytes)
     instance.state = InstanceState.READY
     log.info(
         "model %s instance %d: ready in %.2fs (weights %d B, per item %d B, %s; max batch %d; batch time %.1f ms"

@@ -21,13 +21,13 @@ from router.errors import (
     ExecutionTimeout,
     ModelError,
 )
-from router.plugin import MemoryEstimate, ModelPlugin
-from router.queue import Ticket
-from router.service_time import BatchTime, InstanceLoad
+from router.scheduling.queue import Ticket, reject, resolve
+from router.scheduling.service_time import BatchTime, InstanceLoad
+from router.sdk.plugin import MemoryEstimate, ModelPlugin
 
-__all__ = ["InstanceState", "ModelInstance", "is_out_of_memory", "reject", "resolve"]
+__all__ = ["InstanceState", "ModelInstance", "is_out_of_memory"]
 
-log = logging.getLogger("router.instance")
+log = logging.getLogger("router.serving.instance")
 T = TypeVar("T")
 
 
@@ -39,16 +39,6 @@ class InstanceState(enum.Enum):
     STALLED = "stalled"  # a batch overran its execution timeout and still holds the thread
     FAILED = "failed"
     STOPPED = "stopped"
-
-
-def resolve(ticket: Ticket, result: Any) -> None:
-    if not ticket.future.done():
-        ticket.future.set_result(result)
-
-
-def reject(ticket: Ticket, error: BaseException) -> None:
-    if not ticket.future.done():
-        ticket.future.set_exception(error)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -105,7 +95,7 @@ class ModelInstance:
 
     def load_view(self) -> InstanceLoad:
         """What admission needs to predict this instance's answers."""
-        return InstanceLoad(self.times, self.busy_until if self.busy else None)
+        return InstanceLoad(self.times, self.busy_until if self.busy else None, self.max_batch)
 
     def begin_batch(self, size: int, now: float) -> None:
         """Mark the instance busy with a batch of `size` dispatched at `now` (by its scheduler)."""

@@ -31,8 +31,8 @@ from litestar.serialization import encode_json
 from PIL import Image
 
 from router.errors import DeadlineExceeded, ExecutionTimeout, InputError, RouterError
-from router.kserve_tensors import DATATYPES, DATATYPES_TEXT, Tensor, serialize_bytes, tensor_from_binary, tensor_from_json
-from router.plugin import Payload
+from router.http.kserve.tensors import DATATYPES, DATATYPES_TEXT, Tensor, serialize_bytes, tensor_from_binary, tensor_from_json
+from router.sdk.plugin import Payload
 
 __all__ = [
     "HEADER_LENGTH",

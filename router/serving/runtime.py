@@ -19,7 +19,6 @@ from fnmatch import fnmatch
 from typing import Any, TypeVar
 
 from router.config import FleetConfig
-from router.deployment import Deployment
 from router.errors import (
     DeadlineExceeded,
     InputError,
@@ -30,18 +29,19 @@ from router.errors import (
     ShuttingDown,
     UnsupportedMediaType,
 )
-from router.instance import InstanceState, ModelInstance, reject
-from router.loading import load_deployment
-from router.metrics import RouterMetrics
-from router.plan import FleetPlan
-from router.plugin import Payload, PluginContext
-from router.probes import MemoryProbe, make_probe
-from router.queue import ModelQueue, Ticket
-from router.scheduler import DeviceScheduler
+from router.scheduling.probes import MemoryProbe, make_probe
+from router.scheduling.queue import ModelQueue, Ticket, reject
+from router.scheduling.scheduler import DeviceScheduler
+from router.sdk.plugin import Payload, PluginContext
+from router.serving.deployment import Deployment
+from router.serving.instance import InstanceState, ModelInstance
+from router.serving.loading import load_deployment
+from router.serving.plan import FleetPlan
+from router.serving.telemetry import Telemetry, TelemetryFanout
 
 __all__ = ["Answer", "Runtime"]
 
-log = logging.getLogger("router.runtime")
+log = logging.getLogger("router.serving.runtime")
 T = TypeVar("T")
 ProbeFactory = Callable[[str, str], "MemoryProbe | None"]
 
@@ -82,14 +82,16 @@ class Runtime:
         *,
         cpu_workers: int = 0,
         probe_factory: ProbeFactory = make_probe,
-        metrics: RouterMetrics | None = None,
+        telemetry: Telemetry | None = None,
         clock: Callable[[], float] = time.monotonic,
         plugin_extra: dict[str, Any] | None = None,
     ) -> None:
         self.plan = plan
         self.fleet: FleetConfig = plan.fleet
         self.clock = clock
-        self.metrics = metrics or RouterMetrics()
+        self.telemetry = TelemetryFanout()
+        if telemetry is not None:
+            self.telemetry.sinks.append(telemetry)
         self._probe_factory = probe_factory
         self._cpu = ThreadPoolExecutor(cpu_workers or os.cpu_count() or 1, thread_name_prefix="router-cpu")
         self.schedulers: dict[str, DeviceScheduler] = {}
@@ -103,7 +105,6 @@ class Runtime:
         self._closed = False
         self._load_task: asyncio.Task[None] | None = None
         self._build(plugin_extra or {})
-        self.metrics.bind(self)
 
     # -- construction and lifecycle ---------------------------------------------------------
 
@@ -118,7 +119,7 @@ class Runtime:
                 instance = ModelInstance(
                     name, index, device, plugin,
                     execution_timeout_s=config.execution.timeout_ms / 1000.0,
-                    on_batch=self.metrics.observe_batch,
+                    on_batch=self.telemetry.observe_batch,
                     clock=self.clock,
                 )
                 deployment.instances.append(instance)
@@ -232,8 +233,7 @@ class Runtime:
 
     def _count(self, deployment: Deployment, outcome: str, started: float) -> None:
         deployment.outcomes[outcome] += 1
-        self.metrics.requests.labels(deployment.name, outcome).inc()
-        self.metrics.request_latency.labels(deployment.name).observe(self.clock() - started)
+        self.telemetry.observe_request(deployment.name, outcome, self.clock() - started)
 
     async def submit(
         self,
@@ -299,7 +299,7 @@ class Runtime:
             now = self.clock()
             deployment.lag.observe(max(0.0, now - ticket.dispatched_at - ticket.execution_s), now)
         wait = (ticket.dispatched_at or ticket.arrived_at) - ticket.arrived_at
-        self.metrics.queue_wait.labels(deployment.name).observe(wait)
+        self.telemetry.observe_queue_wait(deployment.name, wait)
         return Answer(request_id, deployment.name, result, wait, ticket.batch_size, ticket.execution_s,
                       ticket.memory_delta_bytes, plugin.describe_input(payload, item))
 

@@ -11,7 +11,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from router.runtime import Runtime
+    from router.serving.runtime import Runtime
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 
@@ -49,7 +49,16 @@ class RouterMetrics:
         self.batch_size.labels(model).observe(size)
         self.execution.labels(model).observe(seconds)
 
+    def observe_request(self, model: str, outcome: str, seconds: float) -> None:
+        self.requests.labels(model, outcome).inc()
+        self.request_latency.labels(model).observe(seconds)
+
+    def observe_queue_wait(self, model: str, seconds: float) -> None:
+        self.queue_wait.labels(model).observe(seconds)
+
     def bind(self, runtime: Runtime) -> None:
+        """Receive the runtime's events and read its state at scrape time."""
+        runtime.telemetry.sinks.append(self)
         self.registry.register(_StateCollector(lambda: runtime))
 
     def render(self) -> bytes:

@@ -7,11 +7,11 @@ import sys
 from collections.abc import Callable, Sequence
 
 from router.config import MemoryConfig
-from router.plugin import MemoryEstimate, ModelPlugin
+from router.sdk.plugin import MemoryEstimate, ModelPlugin
 
 __all__ = ["SAFETY_MARGIN", "apply_declared", "fit_linear", "max_batch_within", "profile_cuda", "profile_sizes"]
 
-log = logging.getLogger("router.profiling")
+log = logging.getLogger("router.serving.profiling")
 SAFETY_MARGIN = 0.2
 
 

@@ -1,0 +1,1 @@
+"""Open Inference Protocol (KServe V2 REST, Triton's HTTP API) routes and codec."""

@@ -1,0 +1,3 @@
+"""Scheduling: per-model queues, the admission rule, the memory ledger and probes, service-time
+estimates, and the device scheduler that dispatches batches. Knows nothing of HTTP or of how
+models are loaded; instances reach it through the small protocols in `scheduler`."""

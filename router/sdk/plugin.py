@@ -1,0 +1,141 @@
+"""The plugin contract: what a model family implements to be served.
+
+A plugin class is registered under a name through the entry-point group `model_router.plugins`.
+The router creates one plugin object per model instance, so an object serves one model on one
+device and may keep state (the loaded network) on itself.
+
+Required: `load`, `preprocess`, `predict_batch`, `memory_estimate`.
+Optional hooks with defaults: `postprocess`, `describe_input`, `example_payload`, `warmup`, `unload`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+__all__ = [
+    "MemoryEstimate",
+    "ModelPlugin",
+    "NoOptions",
+    "Payload",
+    "PluginContext",
+]
+
+
+class NoOptions(BaseModel):
+    """Options model for plugins that take none. Unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+OptionsT = TypeVar("OptionsT", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Payload:
+    """One input as it arrived: raw bytes and their media type (`image/jpeg`, `application/json`, ...)."""
+
+    body: bytes
+    media_type: str
+    filename: str | None = None
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Device memory a model needs: weights held while loaded, plus a per-batch cost of
+    `fixed_bytes + n * per_item_bytes` while a batch of n runs."""
+
+    weights_bytes: int
+    per_item_bytes: int
+    fixed_bytes: int = 0
+    source: str = "estimate"  # "estimate", "declared" or "profiled"
+
+    def batch_bytes(self, n: int) -> int:
+        return self.fixed_bytes + n * self.per_item_bytes
+
+
+@dataclass(frozen=True)
+class PluginContext:
+    """What the router tells a plugin about where it runs."""
+
+    model_name: str
+    store_dir: Path
+    allow_absolute_paths: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def resolve_path(self, path: str | Path) -> Path:
+        """Resolve a model file path against the model store, refusing paths that escape it."""
+        candidate = Path(path)
+        if candidate.is_absolute():
+            if not self.allow_absolute_paths:
+                raise ValueError(
+                    f"absolute path {str(path)!r} is not allowed; use a path relative to the model "
+                    f"store {str(self.store_dir)!r} or set allow_absolute_paths"
+                )
+            return candidate
+        store = self.store_dir.resolve()
+        resolved = (store / candidate).resolve()
+        if resolved != store and store not in resolved.parents:
+            raise ValueError(f"path {str(path)!r} resolves outside the model store {str(store)!r}")
+        return resolved
+
+
+class ModelPlugin(ABC, Generic[OptionsT]):
+    """One model family. Subclass it, set `Options` to a pydantic model, implement the four
+    abstract methods, and declare the class under the `model_router.plugins` entry point."""
+
+    Options: ClassVar[type[BaseModel]] = NoOptions
+    #: Media types `preprocess` understands; `image/*` style wildcards are allowed.
+    accepts: ClassVar[tuple[str, ...]] = ("image/*",)
+    #: Whether torch's CUDA allocator holds this plugin's memory, so warm-up can profile it with
+    #: torch.cuda.max_memory_allocated. Plugins on other runtimes (onnxruntime, TensorRT) set False.
+    torch_memory: ClassVar[bool] = True
+
+    def __init__(self, options: OptionsT, context: PluginContext) -> None:
+        self.options = options
+        self.context = context
+
+    @abstractmethod
+    def load(self, device: str) -> None:
+        """Load weights onto `device` (`cpu` or `cuda:N`). Runs once, off the event loop."""
+
+    @abstractmethod
+    def preprocess(self, payload: Payload) -> Any:
+        """Turn one payload into a model-ready item, on the CPU. Raise `InputError` for bad input."""
+
+    @abstractmethod
+    def predict_batch(self, items: Sequence[Any]) -> Sequence[Any]:
+        """Run one batch on the device; return exactly one output per item, in order."""
+
+    @abstractmethod
+    def memory_estimate(self) -> MemoryEstimate:
+        """Device memory this model needs, after `load`. The router may refine it by profiling."""
+
+    def postprocess(self, output: Any, item: Any) -> Any:
+        """Turn one output into a JSON-serialisable answer, on the CPU. `item` is what
+        `preprocess` returned for the same input."""
+        return output
+
+    def describe_input(self, payload: Payload, item: Any) -> dict[str, Any]:
+        """A few facts about one input for the request's log line, e.g. the image size."""
+        return {}
+
+    def example_payload(self) -> Payload | None:
+        """A valid input used for warm-up and memory profiling; None disables both."""
+        return None
+
+    def warmup(self, batch_size: int) -> None:
+        """Run one batch of `batch_size` example inputs so lazy initialisation happens before ready."""
+        payload = self.example_payload()
+        if payload is None:
+            return
+        item = self.preprocess(payload)
+        self.predict_batch([item] * batch_size)
+
+    def unload(self) -> None:
+        """Release the model's memory. Called on shutdown and, later, on eviction."""
