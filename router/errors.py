@@ -1,9 +1,12 @@
-"""Error hierarchy. Each class carries its HTTP status, so mapping to HTTP happens in one handler."""
+"""Error hierarchy: each class carries its HTTP status, its `outcome` label (metrics, logs) and
+its retry hint, so errors map to HTTP in one handler. Where the Open Inference Protocol (KServe
+V2) answers differently, the one table `V2_STATUS` below says so."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import ClassVar, Final
 
 __all__ = [
     "BatchSizeMismatch",
@@ -11,6 +14,7 @@ __all__ = [
     "DeadlineExceeded",
     "DeviceOutOfMemory",
     "ExecutionTimeout",
+    "V2_STATUS",
     "Forbidden",
     "InputError",
     "ModelDoesNotFit",
@@ -26,24 +30,34 @@ __all__ = [
     "Unauthorized",
     "UnknownPlugin",
     "UnsupportedMediaType",
+    "outcome_of",
+    "v2_status",
 ]
 
 
 class RouterError(Exception):
-    """An error that answers one request. `status_code` is what HTTP callers see."""
+    """An error that answers one request. `status_code` is what HTTP callers see, `outcome` the
+    label of the request in metrics and logs, `retry_after_s` when a retry may succeed."""
 
     status_code: ClassVar[int] = 500
+    outcome: ClassVar[str] = "error"
 
-    def __init__(self, detail: str, *, headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, detail: str, *, headers: Mapping[str, str] | None = None, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(detail)
         self.detail = detail
+        self.retry_after_s = retry_after_s
         self.headers: dict[str, str] = dict(headers or {})
+        if retry_after_s is not None:
+            self.headers["Retry-After"] = str(max(1, int(retry_after_s + 0.999)))
 
 
 class InputError(RouterError):
     """The request itself is wrong: bad data, bad header, bad field."""
 
     status_code = 400
+    outcome = "bad_input"
 
 
 class PayloadTooLarge(InputError):
@@ -56,6 +70,7 @@ class UnsupportedMediaType(InputError):
 
 class Unauthorized(RouterError):
     status_code = 401
+    outcome = "unauthorized"
 
     def __init__(self, detail: str) -> None:
         super().__init__(detail, headers={"WWW-Authenticate": 'Bearer realm="model-router"'})
@@ -63,31 +78,32 @@ class Unauthorized(RouterError):
 
 class Forbidden(RouterError):
     status_code = 403
+    outcome = "forbidden"
 
 
 class ModelNotFound(RouterError):
     status_code = 404
+    outcome = "not_found"
 
 
 class Overloaded(RouterError):
     """Temporarily unable to take the request; the caller should retry later."""
 
     status_code = 503
+    outcome = "unavailable"
 
     def __init__(self, detail: str, *, retry_after_s: float | None = None) -> None:
-        headers = {}
-        if retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, int(retry_after_s + 0.999)))
-        super().__init__(detail, headers=headers)
-        self.retry_after_s = retry_after_s
+        super().__init__(detail, retry_after_s=retry_after_s)
 
 
 class QueueFull(Overloaded):
-    pass
+    """The queue is full, or the work ahead would push the request past its deadline."""
+
+    outcome = "rejected_full"
 
 
 class ShuttingDown(Overloaded):
-    pass
+    outcome = "rejected_shutdown"
 
 
 class ModelUnavailable(Overloaded):
@@ -97,27 +113,63 @@ class ModelUnavailable(Overloaded):
 class DeviceOutOfMemory(Overloaded):
     """A plugin may raise this for an out-of-memory condition its framework reports differently."""
 
+    outcome = "out_of_memory"
+
 
 class ModelDoesNotFit(Overloaded):
     """The model can never fit its devices' or its own memory budget (not an out-of-memory)."""
 
+    outcome = "does_not_fit"
+
 
 class DeadlineExceeded(RouterError):
     status_code = 504
+    outcome = "deadline"
 
 
 class ExecutionTimeout(DeadlineExceeded):
-    pass
+    outcome = "execution_timeout"
 
 
 class ModelError(RouterError):
-    """The model raised while running a batch."""
+    """The model raised while running a batch (or in a hook: the detail names plugin and hook)."""
 
     status_code = 500
 
 
 class BatchSizeMismatch(ModelError):
     pass
+
+
+#: Where KServe V2 answers with another status than the native API: a deadline that expired
+#: before the input ran is 503 + Retry-After there, as V2 clients expect of a server too busy to
+#: answer in time. A batch that overran its execution timeout stays 504: retrying the same input
+#: may overrun again. Looked up by the error's class, most specific first.
+V2_STATUS: Final[dict[type[RouterError], tuple[int, float | None]]] = {
+    ExecutionTimeout: (504, None),
+    DeadlineExceeded: (503, 1.0),
+}
+
+
+def v2_status(error: RouterError) -> tuple[int, dict[str, str]]:
+    """The V2 status and headers of an error."""
+    for cls in type(error).__mro__:
+        if cls in V2_STATUS:
+            status, retry = V2_STATUS[cls]
+            headers = dict(error.headers)
+            if retry is not None:
+                headers.setdefault("Retry-After", str(max(1, int(retry + 0.999))))
+            return status, headers
+    return error.status_code, dict(error.headers)
+
+
+def outcome_of(error: BaseException) -> str:
+    """The `outcome` label of a failed request."""
+    if isinstance(error, RouterError):
+        return error.outcome
+    if isinstance(error, asyncio.CancelledError):
+        return "cancelled"
+    return "error"
 
 
 class ConfigError(Exception):

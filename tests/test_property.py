@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from router.cli import build_plan
 from router.errors import DeadlineExceeded, RouterError
 from router.sdk.plugin import Payload
 from router.serving.runtime import Answer, Runtime
+from tests.conftest import read_records
 
 FLEET = """
 devices:
@@ -24,13 +26,14 @@ models:
   a:
     plugin: scripted
     options: {fixed_ms: 3, per_item_ms: 1, fail: marked, oom_marker: "oom", weights_bytes: 2000000,
-              per_item_bytes: 1000000}
+              per_item_bytes: 1000000, record: "RECORD"}
     queue: {max_size: 6}
     batch: {max_size: 4, max_delay_ms: 5}
     warmup: {enabled: false}
   b:
     plugin: scripted
-    options: {fixed_ms: 2, fail: marked, oom_above: 2, weights_bytes: 1000000, per_item_bytes: 2000000}
+    options: {fixed_ms: 2, fail: marked, oom_above: 2, weights_bytes: 1000000, per_item_bytes: 2000000,
+              record: "RECORD"}
     devices: [cpu, cpu]
     queue: {max_size: 6}
     batch: {max_size: 3, max_delay_ms: 2}
@@ -59,10 +62,15 @@ arrivals = st.builds(
 )
 
 
-async def scenario(runtime: Runtime, plan: list[Arrival]) -> tuple[list[object], Counter[str]]:
+def ledger(runtime: Runtime) -> dict[str, tuple[int, int]]:
+    """Weights and reservations booked on each device."""
+    return {d.name: (d.weights_bytes, d.reserved_bytes) for d in runtime.devices()}
+
+
+async def scenario(runtime: Runtime, plan: list[Arrival], record: Path) -> tuple[list[object], Counter[str]]:
     await runtime.start()
     await runtime.wait_loaded()
-    weights = {d: s.ledger.total_bytes for d, s in runtime.schedulers.items()}
+    weights = ledger(runtime)
 
     async def one(index: int, arrival: Arrival) -> object:
         await asyncio.sleep(arrival.delay_ms / 1000)
@@ -83,18 +91,16 @@ async def scenario(runtime: Runtime, plan: list[Arrival]) -> tuple[list[object],
 
     results = await asyncio.wait_for(asyncio.gather(*(one(i, a) for i, a in enumerate(plan))), 30)
     for _ in range(100):  # batches of cancelled requests may still be finishing
-        if all(s.running_batches == 0 for s in runtime.schedulers.values()):
+        if all(d.running_batches == 0 for d in runtime.devices()):
             break
         await asyncio.sleep(0.01)
     runs: Counter[str] = Counter()
-    for deployment in runtime.deployments.values():
-        for instance in deployment.instances:
-            for batch in instance.plugin.executed:  # type: ignore[attr-defined]
-                runs.update(batch)
-    assert {d: s.ledger.total_bytes for d, s in runtime.schedulers.items()} == weights
-    assert all(s.ledger.reserved_bytes == 0 for s in runtime.schedulers.values())
-    assert all(d.queue.depth == 0 and d.queue.occupancy == 0 for d in runtime.deployments.values())
-    assert not runtime._tickets and runtime._inflight == 0
+    for row in read_records(record):
+        runs.update(row["ids"])  # type: ignore[arg-type]
+    assert ledger(runtime) == weights
+    assert all(reserved == 0 for _, reserved in ledger(runtime).values())
+    assert all(m.queue_depth == 0 for m in runtime.models())
+    assert runtime.in_flight == 0
     await runtime.drain(0.5)
     await runtime.stop()
     return results, runs
@@ -104,9 +110,10 @@ async def scenario(runtime: Runtime, plan: list[Arrival]) -> tuple[list[object],
 @given(plan=st.lists(arrivals, min_size=1, max_size=14))
 def test_every_request_answered_exactly_once(tmp_path: Path, plan: list[Arrival]) -> None:
     config = tmp_path / "fleet.yaml"
-    config.write_text(FLEET, encoding="utf-8")
+    record = tmp_path / f"batches-{uuid.uuid4().hex}.jsonl"  # hypothesis reuses tmp_path across examples
+    config.write_text(FLEET.replace("RECORD", str(record)), encoding="utf-8")
     runtime = Runtime(build_plan(config))
-    results, runs = asyncio.run(scenario(runtime, plan))
+    results, runs = asyncio.run(scenario(runtime, plan, record))
 
     assert len(results) == len(plan)
     for index, (arrival, result) in enumerate(zip(plan, results)):

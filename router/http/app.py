@@ -25,7 +25,7 @@ from router.http.disconnect import run_unless_disconnected
 from router.http.kserve.routes import v2_router
 from router.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.http.metrics import RouterMetrics
-from router.http.request_state import mark_received, received_at
+from router.http.request_state import mark_received, received_at, runtime_of
 from router.logs import request_id_var
 from router.sdk.plugin import Payload
 from router.serving.runtime import Runtime
@@ -35,11 +35,6 @@ __all__ = ["create_app"]
 log = logging.getLogger("router.access")
 REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 MODEL_PATH = re.compile(r"^/models/([^/]+)")
-
-
-def _runtime(request: Request[Any, Any, Any]) -> Runtime:
-    runtime: Runtime = request.app.state.runtime
-    return runtime
 
 
 # -- request decoding -----------------------------------------------------------------------------
@@ -91,7 +86,7 @@ async def _payload(request: Request[Any, Any, Any]) -> Payload:
 @post("/models/{name:str}/predict", status_code=200, summary="Run one input through a model")
 async def predict(name: str, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Accepts a multipart field `file` or a raw `image/*` body. Headers: X-Timeout-Ms, X-Priority."""
-    runtime = _runtime(request)
+    runtime = runtime_of(request)
     priority = _priority(request)
     timeout_ms = _number_header(request, "X-Timeout-Ms")
     # 404, 503 and header errors before the body is read: under a surge a refusal costs little.
@@ -123,13 +118,13 @@ async def predict(name: str, request: Request[Any, Any, Any]) -> Response[dict[s
 
 @get("/models", summary="All models with state, queue, batching, memory and counters")
 async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    runtime = _runtime(request)
-    return {"models": [d.describe() for d in runtime.deployments.values()]}
+    runtime = runtime_of(request)
+    return {"models": [model.as_dict() for model in runtime.models()]}
 
 
 @get("/models/{name:str}", summary="One model's state, queue, batching, memory and counters")
 async def show_model(name: str, request: Request[Any, Any, Any]) -> dict[str, Any]:
-    return _runtime(request).deployment(name).describe()
+    return runtime_of(request).model(name).as_dict()
 
 
 @get("/health/live", summary="The process is up", opt={"access": Access.HEALTH})
@@ -140,12 +135,12 @@ async def live() -> dict[str, str]:
 @get("/health/ready", summary="200 once every required model is loaded and warmed; 503 before and while draining",
      opt={"access": Access.HEALTH})
 async def ready(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
-    runtime = _runtime(request)
+    runtime = runtime_of(request)
     body = {
         "ready": runtime.ready,
         "draining": runtime.draining,
-        "models": {name: d.state.value for name, d in runtime.deployments.items()},
-        "devices": {**{d: "ok" for d in runtime.schedulers}, **runtime.device_errors},
+        "models": {model.name: model.state for model in runtime.models()},
+        "devices": {device.name: "ok" if device.available else device.error for device in runtime.devices()},
     }
     return Response(body, status_code=200 if runtime.ready else 503)
 

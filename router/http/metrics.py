@@ -58,7 +58,7 @@ class RouterMetrics:
 
     def bind(self, runtime: Runtime) -> None:
         """Receive the runtime's events and read its state at scrape time."""
-        runtime.telemetry.sinks.append(self)
+        runtime.add_telemetry(self)
         self.registry.register(_StateCollector(lambda: runtime))
 
     def render(self) -> bytes:
@@ -74,10 +74,10 @@ class _StateCollector(Collector):
         depth = GaugeMetricFamily("model_router_queue_depth", "Requests waiting in the model's queue.", labels=["model"])
         capacity = GaugeMetricFamily("model_router_queue_capacity", "The model's queue bound.", labels=["model"])
         state = GaugeMetricFamily("model_router_model_state", "1 for the model's current state.", labels=["model", "state"])
-        for name, deployment in runtime.deployments.items():
-            depth.add_metric([name], deployment.queue.depth)
-            capacity.add_metric([name], deployment.queue.max_size)
-            state.add_metric([name, deployment.state.value], 1)
+        for model in runtime.models():
+            depth.add_metric([model.name], model.queue_depth)
+            capacity.add_metric([model.name], model.queue_capacity)
+            state.add_metric([model.name, model.state], 1)
         yield from (depth, capacity, state)
         yield from _device_families(runtime)
 
@@ -91,15 +91,17 @@ def _device_families(runtime: Runtime) -> Iterable[Metric]:
     total = GaugeMetricFamily("model_router_device_memory_total_bytes", "Last probe reading: total.", labels=["device"])
     paused = GaugeMetricFamily("model_router_admission_paused", "1 while admission is paused.", labels=["device"])
     running = GaugeMetricFamily("model_router_running_batches", "Batches running on the device.", labels=["device"])
-    for device, scheduler in runtime.schedulers.items():
-        ledger = scheduler.ledger
-        reserved.add_metric([device], ledger.reserved_bytes)
-        weights.add_metric([device], ledger.weights_bytes)
-        peak.add_metric([device], ledger.peak_bytes)
-        budget.add_metric([device], scheduler.budget_bytes)
-        paused.add_metric([device], 1 if scheduler.paused else 0)
-        running.add_metric([device], scheduler.running_batches)
-        if scheduler.last_reading is not None:
-            used.add_metric([device], scheduler.last_reading.used_bytes)
-            total.add_metric([device], scheduler.last_reading.total_bytes)
+    for info in runtime.devices():
+        if not info.available:
+            continue
+        device = info.name
+        reserved.add_metric([device], info.reserved_bytes)
+        weights.add_metric([device], info.weights_bytes)
+        peak.add_metric([device], info.peak_bytes)
+        budget.add_metric([device], info.budget_bytes)
+        paused.add_metric([device], 1 if info.paused else 0)
+        running.add_metric([device], info.running_batches)
+        if info.used_bytes is not None and info.total_bytes is not None:
+            used.add_metric([device], info.used_bytes)
+            total.add_metric([device], info.total_bytes)
     yield from (reserved, weights, peak, budget, used, total, paused, running)

@@ -1,4 +1,4 @@
-"""Per-request facts the ASGI middleware records in the scope for the handlers."""
+"""Per-request facts: what the ASGI middleware records in the scope, and the runtime the app serves."""
 
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ from typing import Any
 from litestar import Request
 from litestar.types import Scope
 
-__all__ = ["mark_received", "received_at"]
+from router.serving.runtime import Runtime
+
+__all__ = ["mark_received", "received_at", "runtime_of"]
+
+
+def runtime_of(request: Request[Any, Any, Any]) -> Runtime:
+    """The runtime behind the app that serves `request`."""
+    runtime: Runtime = request.app.state.runtime
+    return runtime
 
 
 def mark_received(scope: Scope) -> None:

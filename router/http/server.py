@@ -36,7 +36,7 @@ class DrainingServer(uvicorn.Server):
         if self._drain_task is not None or self._loop is None or self.runtime.draining:
             super().handle_exit(sig, frame)
             return
-        self.runtime.draining = True
+        self.runtime.begin_drain()
         log.info("received %s: draining before exit", signal.Signals(sig).name)
         self._loop.call_soon_threadsafe(self._start_drain)
 

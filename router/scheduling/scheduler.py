@@ -117,10 +117,10 @@ class DeviceScheduler:
     def detach(self, runner: Runner) -> None:
         self._members = [(m, r) for m, r in self._members if r is not runner]
 
-    def check_fits(self, model: Model, runner: Runner, weights_bytes: int) -> None:
+    def check_fits(self, model: Model, estimate: MemoryEstimate) -> None:
         """Refuse an instance whose single-input batch could never fit beside the loaded weights."""
-        candidate = self._candidate(model, runner)
-        resident = self.ledger.weights_bytes + weights_bytes
+        candidate = self._candidate(model, key="(loading)", estimate=estimate, max_batch=1)
+        resident = self.ledger.weights_bytes + estimate.weights_bytes
         if not fits(candidate, 1, self._device_state(), resident_bytes=resident):
             raise ModelDoesNotFit(
                 f"model {model.name!r}: one input needs {candidate.batch_bytes(1)} bytes; with "
@@ -195,7 +195,7 @@ class DeviceScheduler:
             if due is None:
                 continue
             if due <= now:
-                candidates.append(self._candidate(model, runner))
+                candidates.append(self._candidate(model, runner.key, runner.estimate, runner.max_batch))
             elif next_due is None or due < next_due:
                 next_due = due
         if not candidates:
@@ -251,13 +251,12 @@ class DeviceScheduler:
             paused=self.paused,
         )
 
-    def _candidate(self, model: Model, runner: Runner) -> Candidate:
-        estimate = runner.estimate
+    def _candidate(self, model: Model, key: str, estimate: MemoryEstimate | None, max_batch: int) -> Candidate:
         return Candidate(
             model=model.name,
-            instance=runner.key,
+            instance=key,
             queued=model.queue.depth,
-            max_batch=runner.max_batch,
+            max_batch=max_batch,
             per_item_bytes=estimate.per_item_bytes if estimate else 0,
             fixed_bytes=estimate.fixed_bytes if estimate else 0,
             model_budget=model.budget_bytes,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -29,12 +28,16 @@ __all__ = ["Deployment", "ModelState"]
 
 
 class ModelState(enum.Enum):
-    PENDING = "pending"
+    """A model's state, derived from its instances' (see `Deployment.state`)."""
+
+    PENDING = "pending"  # no instance loaded yet
     LOADING = "loading"
     READY = "ready"
-    DEGRADED = "degraded"  # some instances failed or stalled, at least one serves
+    DEGRADED = "degraded"  # serving, but an instance failed or is fenced
+    DRAINING = "draining"
+    UNLOADING = "unloading"
+    UNLOADED = "unloaded"
     FAILED = "failed"
-    STOPPED = "stopped"
 
 
 @dataclass
@@ -45,8 +48,6 @@ class Deployment:
     options: BaseModel
     queue: ModelQueue
     instances: list[ModelInstance] = field(default_factory=list)
-    loaded: bool = False
-    error: str | None = None
     outcomes: Counter[str] = field(default_factory=Counter)
     lag: Lag = field(default_factory=Lag)  # batch end to answer: postprocessing and event-loop lag
     gate: ProbeGate = field(default_factory=ProbeGate)
@@ -88,28 +89,43 @@ class Deployment:
 
     @property
     def state(self) -> ModelState:
-        states = [i.state for i in self.instances]
-        if states and all(s is InstanceState.STOPPED for s in states):
-            return ModelState.STOPPED
-        if self.error is not None or (states and all(s is InstanceState.FAILED for s in states)):
+        """Serving instances decide first; then work in progress; then what is left."""
+        states = {i.state for i in self.instances}
+        if states & {InstanceState.READY, InstanceState.FENCED}:
+            troubled = states & {InstanceState.FENCED, InstanceState.FAILED}
+            return ModelState.DEGRADED if troubled else ModelState.READY
+        for busy, model_state in ((InstanceState.LOADING, ModelState.LOADING), (InstanceState.WARMING, ModelState.LOADING),
+                                  (InstanceState.DRAINING, ModelState.DRAINING),
+                                  (InstanceState.UNLOADING, ModelState.UNLOADING)):
+            if busy in states:
+                return model_state
+        if InstanceState.FAILED in states:
             return ModelState.FAILED
-        if not self.loaded:
-            return ModelState.LOADING if any(s is not InstanceState.PENDING for s in states) else ModelState.PENDING
-        if all(s is InstanceState.READY for s in states):
-            return ModelState.READY
-        if any(s in (InstanceState.READY, InstanceState.STALLED) for s in states):
-            return ModelState.DEGRADED
-        return ModelState.FAILED
+        if states == {InstanceState.PENDING}:
+            return ModelState.PENDING
+        return ModelState.UNLOADED
+
+    @property
+    def error(self) -> str | None:
+        """Why the model is failed or degraded: its failed instances' errors."""
+        errors = sorted({i.error for i in self.instances if i.state is InstanceState.FAILED and i.error})
+        return "; ".join(errors) or None
 
     @property
     def serving(self) -> bool:
-        return self.state in (ModelState.READY, ModelState.DEGRADED)
+        return any(i.serving for i in self.instances)
+
+    @property
+    def settled(self) -> bool:
+        """No load in progress (readiness waits for this)."""
+        return not any(i.state in (InstanceState.PENDING, InstanceState.LOADING, InstanceState.WARMING)
+                       for i in self.instances)
 
     @property
     def front(self) -> ModelPlugin:  # type: ignore[type-arg]
-        """The plugin object that preprocesses and postprocesses: a loaded instance's, if any."""
+        """The plugin object that preprocesses and postprocesses: a serving instance's, if any."""
         for instance in self.instances:
-            if instance.state in (InstanceState.READY, InstanceState.STALLED):
+            if instance.serving:
                 return instance.plugin
         return self.instances[0].plugin
 
@@ -117,57 +133,3 @@ class Deployment:
     def budget_bytes(self) -> int | None:
         budget = self.config.memory.budget
         return int(budget) if budget is not None else None
-
-    def describe(self) -> dict[str, object]:
-        """The model's public status, as GET /models/{name} shows it."""
-        batch = self.config.batch
-        sized = next((i for i in self.instances if i.estimate is not None), None)  # the first loaded instance's
-        estimate = sized.estimate if sized else None
-        return {
-            "name": self.name,
-            "state": self.state.value,
-            "error": self.error,
-            "plugin": {"name": self.plugin.name, "distribution": self.plugin.distribution, "version": self.plugin.version},
-            "devices": self.config.instance_devices,
-            "instances": [
-                {"index": i.index, "device": i.device, "state": i.state.value, "busy": i.busy,
-                 "batches": i.batches, "error": i.error, "max_batch": i.max_batch,
-                 "memory": None if i.estimate is None else {
-                     "weights_bytes": i.estimate.weights_bytes, "per_item_bytes": i.estimate.per_item_bytes,
-                     "fixed_bytes": i.estimate.fixed_bytes, "source": i.estimate.source}}
-                for i in self.instances
-            ],
-            "queue": {
-                "depth": self.queue.depth,
-                "capacity": self.queue.max_size,
-                "timeout_ms": self.config.queue.timeout_ms,
-                "priority_levels": self.config.queue.priority_levels,
-            },
-            "batch": {"max_size": batch.max_size, "max_delay_ms": batch.max_delay_ms, "effective_max_size": sized.max_batch if sized else 1},
-            "memory": {
-                "budget_bytes": self.budget_bytes,
-                "weights_bytes": estimate.weights_bytes if estimate else None,
-                "per_item_bytes": estimate.per_item_bytes if estimate else None,
-                "fixed_bytes": estimate.fixed_bytes if estimate else None,
-                "source": estimate.source if estimate else None,
-            },
-            "timing": self._timing(),
-            "execution_timeout_ms": self.config.execution.timeout_ms,
-            "weight": self.config.weight,
-            "required": self.config.required,
-            "requests": dict(self.outcomes),
-        }
-
-    def _timing(self) -> dict[str, object]:
-        """The service-time figures admission predicts from, per instance."""
-        now = time.monotonic()
-        instances = []
-        for i in self.instances:
-            factor, spread = i.times.factor_at(now)
-            instances.append({
-                "index": i.index, "source": i.times.source, "samples": i.times.samples,
-                "batch_1_ms": round(i.times.seconds(1, now) * 1000, 3),
-                "batch_max_ms": round(i.times.seconds(i.max_batch, now) * 1000, 3),
-                "load_factor": round(factor, 3), "spread": round(spread, 3),
-            })
-        return {"instances": instances, "answer_lag_ms": round(self.lag.at(now) * 1000, 3), "probes": self.gate.probes}

@@ -2,6 +2,9 @@
 
 The instance runs one batch at a time. It resolves every ticket it is handed: with a result,
 or with a RouterError (model error 500, out-of-memory 503, execution timeout 504).
+
+It is the one owner of its lifecycle: the state changes only through the transition methods
+below, each checked against `TRANSITIONS` and logged once.
 """
 
 from __future__ import annotations
@@ -32,13 +35,32 @@ T = TypeVar("T")
 
 
 class InstanceState(enum.Enum):
-    PENDING = "pending"
+    PENDING = "pending"  # never loaded
     LOADING = "loading"
     WARMING = "warming"
     READY = "ready"
-    STALLED = "stalled"  # a batch overran its execution timeout and still holds the thread
+    FENCED = "fenced"  # a batch overran its execution timeout and still holds the thread
+    DRAINING = "draining"  # takes no new batch; the running one finishes
+    UNLOADING = "unloading"
+    UNLOADED = "unloaded"
     FAILED = "failed"
-    STOPPED = "stopped"
+
+
+_S = InstanceState
+#: The allowed moves. Anything else is a bug, and raises.
+TRANSITIONS: dict[InstanceState, frozenset[InstanceState]] = {
+    _S.PENDING: frozenset({_S.LOADING, _S.FAILED, _S.UNLOADED}),
+    _S.LOADING: frozenset({_S.WARMING, _S.FAILED, _S.UNLOADING}),
+    _S.WARMING: frozenset({_S.READY, _S.FAILED, _S.UNLOADING}),
+    _S.READY: frozenset({_S.FENCED, _S.DRAINING, _S.UNLOADING}),
+    _S.FENCED: frozenset({_S.READY, _S.DRAINING, _S.UNLOADING}),
+    _S.DRAINING: frozenset({_S.READY, _S.UNLOADING}),
+    _S.UNLOADING: frozenset({_S.UNLOADED, _S.FAILED}),
+    _S.UNLOADED: frozenset({_S.LOADING, _S.UNLOADED}),
+    _S.FAILED: frozenset({_S.LOADING, _S.UNLOADING, _S.UNLOADED}),
+}
+#: States in which the instance holds its model on the device.
+LOADED_STATES = frozenset({_S.WARMING, _S.READY, _S.FENCED, _S.DRAINING})
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -76,7 +98,7 @@ class ModelInstance:
         self.plugin = plugin
         self.key = f"{model}/{index}"
         self.execution_timeout_s = execution_timeout_s
-        self.state = InstanceState.PENDING
+        self._state = InstanceState.PENDING
         self.error: str | None = None
         self.estimate: MemoryEstimate | None = None
         self.max_batch = 1
@@ -89,9 +111,69 @@ class ModelInstance:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.key}")
         self._inflight: Future[Any] | None = None
 
+    # -- lifecycle: the only writers of the state ---------------------------------------------
+
+    @property
+    def state(self) -> InstanceState:
+        return self._state
+
+    def _move(self, to: InstanceState, why: str = "") -> None:
+        if to not in TRANSITIONS[self._state]:
+            raise RuntimeError(f"instance {self.key}: no transition from {self._state.value} to {to.value}")
+        if to is not self._state:
+            log.info("model %s instance %d: %s -> %s%s", self.model, self.index, self._state.value, to.value,
+                     f" ({why})" if why else "", extra={"model": self.model})
+        self._state = to
+
+    def begin_load(self) -> None:
+        self.error = None
+        self._move(InstanceState.LOADING, f"on {self.device}")
+
+    def begin_warmup(self) -> None:
+        self._move(InstanceState.WARMING)
+
+    def mark_ready(self, estimate: MemoryEstimate, max_batch: int) -> None:
+        """Loaded and warmed, with the memory figures and batch cap this instance is held to."""
+        self.estimate, self.max_batch = estimate, max_batch
+        self._move(InstanceState.READY)
+
+    def fail(self, error: str) -> None:
+        self.error = error
+        self._move(InstanceState.FAILED, error)
+
+    def fence(self, why: str) -> None:
+        """Out of service until its thread returns (a batch overran its execution timeout)."""
+        self._move(InstanceState.FENCED, why)
+
+    def recover(self) -> None:
+        self._move(InstanceState.READY, "the stalled batch returned")
+
+    def begin_drain(self) -> None:
+        self._move(InstanceState.DRAINING)
+
+    def resume(self) -> None:
+        """A drain called off: back in service."""
+        self._move(InstanceState.READY, "drain called off")
+
+    def begin_unload(self) -> None:
+        self._move(InstanceState.UNLOADING)
+
+    def mark_unloaded(self) -> None:
+        self.estimate = None
+        self._move(InstanceState.UNLOADED)
+
+    @property
+    def loaded(self) -> bool:
+        """Holds its model on the device (weights booked)."""
+        return self._state in LOADED_STATES
+
+    @property
+    def serving(self) -> bool:
+        return self._state in (InstanceState.READY, InstanceState.FENCED)
+
     @property
     def schedulable(self) -> bool:
-        return self.state is InstanceState.READY and not self.busy
+        return self._state is InstanceState.READY and not self.busy
 
     def load_view(self) -> InstanceLoad:
         """What admission needs to predict this instance's answers."""
@@ -127,7 +209,7 @@ class ModelInstance:
             await asyncio.wrap_future(self._inflight)
 
     def shutdown(self) -> None:
-        self.state = InstanceState.STOPPED
+        """Stop the thread (at process exit; an unloaded instance may load again until then)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _run_split(self, tickets: Sequence[Ticket]) -> None:
@@ -177,9 +259,10 @@ class ModelInstance:
         try:
             outputs = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(inflight)), self.execution_timeout_s)
         except TimeoutError:
-            self.state = InstanceState.STALLED
             log.error("model %s instance %d: batch exceeded %.3fs; instance fenced until it returns",
                       self.model, self.index, self.execution_timeout_s)
+            if self._state is InstanceState.READY:
+                self.fence(f"a batch exceeded {self.execution_timeout_s:.3f}s")
             inflight.add_done_callback(lambda _: _call_soon(loop, self._recover))
             raise ExecutionTimeout(
                 f"model {self.model!r} execution exceeded its timeout of {self.execution_timeout_s:.3f}s"
@@ -192,9 +275,9 @@ class ModelInstance:
         return outputs, elapsed
 
     def _recover(self) -> None:
-        if self.state is InstanceState.STALLED:
+        if self._state is InstanceState.FENCED:
             log.warning("model %s instance %d: stalled batch returned; instance back in service", self.model, self.index)
-            self.state = InstanceState.READY
+            self.recover()
 
     async def _free_cache(self) -> None:
         if self.device.startswith("cuda") and "torch" in sys.modules:

@@ -1,6 +1,5 @@
-"""Loading a deployment: load each instance, settle its memory figures, warm it up, book its weights.
-
-A failure marks that instance (and, if none is left, the model) failed; other models go on.
+"""Loading an instance: load, settle its memory figures, warm up, time its batches, book its
+weights, put it in service. A failure marks that instance failed; other models go on.
 """
 
 from __future__ import annotations
@@ -13,10 +12,10 @@ from router.errors import ModelDoesNotFit
 from router.scheduling.scheduler import DeviceScheduler
 from router.sdk.plugin import MemoryEstimate
 from router.serving.deployment import Deployment
-from router.serving.instance import InstanceState, ModelInstance
+from router.serving.instance import ModelInstance
 from router.serving.profiling import apply_declared, max_batch_within, profile_cuda, profile_sizes
 
-__all__ = ["load_deployment"]
+__all__ = ["load_deployment", "load_instance"]
 
 log = logging.getLogger("router.serving.loading")
 
@@ -24,33 +23,49 @@ log = logging.getLogger("router.serving.loading")
 async def load_deployment(
     deployment: Deployment, schedulers: Mapping[str, DeviceScheduler], device_errors: Mapping[str, str]
 ) -> None:
+    """Load every instance of a model; one that fails is marked failed, the others go on."""
     for instance in deployment.instances:
         scheduler = schedulers.get(instance.device)
         if scheduler is None:
-            instance.state = InstanceState.FAILED
-            instance.error = f"device {instance.device} unavailable: {device_errors.get(instance.device, 'unknown')}"
-            log.error("model %s: %s", deployment.name, instance.error)
+            instance.fail(f"device {instance.device} unavailable: {device_errors.get(instance.device, 'unknown')}")
             continue
-        try:
-            await _load_instance(deployment, instance, scheduler)
-        except Exception as exc:
-            instance.state = InstanceState.FAILED
-            instance.error = f"{type(exc).__name__}: {exc}"
-            log.exception("model %s instance %d failed to load", deployment.name, instance.index)
-    if all(i.state is InstanceState.FAILED for i in deployment.instances):
-        deployment.error = "; ".join(sorted({i.error or "failed" for i in deployment.instances}))
-    deployment.loaded = True
+        await load_instance(deployment, instance, scheduler)
     log.info("model %s: %s", deployment.name, deployment.state.value, extra={"model": deployment.name})
 
 
-async def _load_instance(deployment: Deployment, instance: ModelInstance, scheduler: DeviceScheduler) -> None:
+async def load_instance(deployment: Deployment, instance: ModelInstance, scheduler: DeviceScheduler) -> bool:
+    """Load, size, warm up and time one instance, book its weights and put it in service.
+    On any failure the instance is failed with the reason and holds nothing; returns success."""
+    booked = False
+    try:
+        instance.begin_load()
+        booked = await _load_instance(deployment, instance, scheduler)
+        return True
+    except Exception as exc:
+        if booked:
+            scheduler.release_weights(instance)
+        log.exception("model %s instance %d failed to load", deployment.name, instance.index,
+                      extra={"model": deployment.name})
+        await _unload_quietly(instance)
+        instance.fail(f"{type(exc).__name__}: {exc}")
+        return False
+
+
+async def _unload_quietly(instance: ModelInstance) -> None:
+    """Give back what a failed load may hold; errors here are only logged."""
+    try:
+        await instance.call(instance.plugin.unload)
+    except Exception:
+        log.warning("model %s instance %d: unload after a failed load raised", instance.model, instance.index,
+                    exc_info=True)
+
+
+async def _load_instance(deployment: Deployment, instance: ModelInstance, scheduler: DeviceScheduler) -> bool:
     name, plugin, config = deployment.name, instance.plugin, deployment.config
     started = time.perf_counter()
-    instance.state = InstanceState.LOADING
-    log.info("model %s instance %d: loading on %s", name, instance.index, instance.device, extra={"model": name})
     await instance.call(plugin.load, instance.device)
     estimate = apply_declared(await instance.call(plugin.memory_estimate), config.memory)
-    instance.state = InstanceState.WARMING
+    instance.begin_warmup()
     estimate = await _warm_up(deployment, instance, estimate)
     limit = max_batch_within(estimate, deployment.budget_bytes, config.batch.max_size)
     if limit < 1:
@@ -58,13 +73,11 @@ async def _load_instance(deployment: Deployment, instance: ModelInstance, schedu
             f"model {name!r} needs {estimate.weights_bytes} bytes of weights plus "
             f"{estimate.batch_bytes(1)} for one input (+20% margin), over its budget of {deployment.budget_bytes}"
         )
-    instance.estimate = estimate
-    instance.max_batch = limit
-    scheduler.check_fits(deployment, instance, estimate.weights_bytes)
+    scheduler.check_fits(deployment, estimate)
     if config.warmup.enabled:
         await _time_batches(deployment, instance, sorted({1, limit}))
     scheduler.book_weights(deployment, instance, estimate.weights_bytes)
-    instance.state = InstanceState.READY
+    instance.mark_ready(estimate, limit)
     log.info(
         "model %s instance %d: ready in %.2fs (weights %d B, per item %d B, %s; max batch %d; batch time %.1f ms"
         " at 1, %.1f ms at %d)",
@@ -72,6 +85,7 @@ async def _load_instance(deployment: Deployment, instance: ModelInstance, schedu
         estimate.per_item_bytes, estimate.source, limit, instance.times.base_s(1) * 1000,
         instance.times.base_s(limit) * 1000, limit, extra={"model": name},
     )
+    return True
 
 
 async def _time_batches(deployment: Deployment, instance: ModelInstance, sizes: list[int]) -> None:

@@ -1,4 +1,8 @@
-"""The runtime: deployments, device schedulers and the request path, usable without HTTP.
+"""The runtime: the serving core's façade, usable without HTTP.
+
+Callers use its verbs and read its snapshots: `submit` and `precheck` on the request path,
+`models()`, `model()`, `devices()` and `ready` to look, `begin_drain`/`drain`, `start`/`stop`.
+Nothing outside `router.serving` touches the deployments, instances or schedulers behind it.
 
 `submit` is the whole life of one request: check, preprocess on the CPU pool, queue, wait for
 its batch (or its deadline), postprocess. Every accepted request is answered exactly once.
@@ -15,28 +19,28 @@ import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from fnmatch import fnmatch
 from typing import Any, TypeVar
 
 from router.config import FleetConfig
 from router.errors import (
     DeadlineExceeded,
-    InputError,
+    ModelError,
     ModelNotFound,
     ModelUnavailable,
-    QueueFull,
     RouterError,
     ShuttingDown,
-    UnsupportedMediaType,
+    outcome_of,
 )
 from router.scheduling.probes import MemoryProbe, make_probe
 from router.scheduling.queue import ModelQueue, Ticket, reject
 from router.scheduling.scheduler import DeviceScheduler
 from router.sdk.plugin import Payload, PluginContext
+from router.serving.checks import check_answer, check_media_type, check_predicted_wait, check_priority, check_timeout
 from router.serving.deployment import Deployment
-from router.serving.instance import InstanceState, ModelInstance
+from router.serving.instance import ModelInstance
 from router.serving.loading import load_deployment
 from router.serving.plan import FleetPlan
+from router.serving.snapshots import DeviceInfo, ModelInfo, device_info, model_info
 from router.serving.telemetry import Telemetry, TelemetryFanout
 
 __all__ = ["Answer", "Runtime"]
@@ -58,23 +62,6 @@ class Answer:
     input_info: dict[str, Any] = field(default_factory=dict)
 
 
-def outcome_of(error: BaseException) -> str:
-    """The `outcome` label of a failed request."""
-    name = type(error).__name__
-    labels = {
-        "QueueFull": "rejected_full", "ShuttingDown": "rejected_shutdown", "ModelUnavailable": "unavailable",
-        "DeviceOutOfMemory": "out_of_memory", "ExecutionTimeout": "execution_timeout",
-        "DeadlineExceeded": "deadline", "ModelNotFound": "not_found",
-    }
-    if name in labels:
-        return labels[name]
-    if isinstance(error, InputError):
-        return "bad_input"
-    if isinstance(error, asyncio.CancelledError):
-        return "cancelled"
-    return "error"
-
-
 class Runtime:
     def __init__(
         self,
@@ -94,14 +81,14 @@ class Runtime:
             self.telemetry.sinks.append(telemetry)
         self._probe_factory = probe_factory
         self._cpu = ThreadPoolExecutor(cpu_workers or os.cpu_count() or 1, thread_name_prefix="router-cpu")
-        self.schedulers: dict[str, DeviceScheduler] = {}
-        self.device_errors: dict[str, str] = {}
-        self.deployments: dict[str, Deployment] = {}
+        self._schedulers: dict[str, DeviceScheduler] = {}
+        self._device_errors: dict[str, str] = {}
+        self._deployments: dict[str, Deployment] = {}
         self._tickets: set[Ticket] = set()
         self._inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self.draining = False
+        self._draining = False
         self._closed = False
         self._load_task: asyncio.Task[None] | None = None
         self._build(plugin_extra or {})
@@ -123,7 +110,7 @@ class Runtime:
                     clock=self.clock,
                 )
                 deployment.instances.append(instance)
-            self.deployments[name] = deployment
+            self._deployments[name] = deployment
 
     async def start(self) -> None:
         """Start the device schedulers and begin loading models in the background."""
@@ -133,19 +120,49 @@ class Runtime:
                 scheduler = DeviceScheduler(device, config, probe, clock=self.clock)
                 scheduler.resolve_budget()
             except Exception as exc:
-                self.device_errors[device] = f"{type(exc).__name__}: {exc}"
+                self._device_errors[device] = f"{type(exc).__name__}: {exc}"
                 log.error("device %s unavailable: %s", device, exc)
                 continue
-            self.schedulers[device] = scheduler
+            self._schedulers[device] = scheduler
             scheduler.start()
-        for deployment in self.deployments.values():
+        for deployment in self._deployments.values():
             for instance in deployment.instances:
-                if instance.device in self.schedulers:
-                    self.schedulers[instance.device].attach(deployment, instance)
+                if instance.device in self._schedulers:
+                    self._schedulers[instance.device].attach(deployment, instance)
         self._load_task = asyncio.create_task(self.load_all(), name="load-models")
 
+    def add_telemetry(self, sink: Telemetry) -> None:
+        """Also report events (requests, queue waits, batches) to `sink`."""
+        self.telemetry.sinks.append(sink)
+
+    # -- snapshots --------------------------------------------------------------------------
+
+    def model_names(self) -> list[str]:
+        return list(self._deployments)
+
+    def models(self) -> list[ModelInfo]:
+        now = self.clock()
+        return [model_info(d, now) for d in self._deployments.values()]
+
+    def model(self, name: str) -> ModelInfo:
+        """One model's snapshot; ModelNotFound (404) for an unknown name."""
+        return model_info(self._deployment(name), self.clock())
+
+    def devices(self) -> list[DeviceInfo]:
+        """Every configured device: budget, live reading and ledger, or why it is unavailable."""
+        infos = [device_info(s) for s in self._schedulers.values()]
+        infos += [DeviceInfo(name, available=False, error=error) for name, error in self._device_errors.items()]
+        return infos
+
+    @property
+    def in_flight(self) -> int:
+        """Requests inside `submit` now."""
+        return self._inflight
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
     async def load_all(self) -> None:
-        await asyncio.gather(*(self._load(d) for d in self.deployments.values()))
+        await asyncio.gather(*(self._load(d) for d in self._deployments.values()))
         # Everything loaded so far (frameworks, weights) lives as long as the process: keep the
         # cyclic collector from scanning it, or each full collection stalls the event loop.
         gc.freeze()
@@ -155,30 +172,40 @@ class Runtime:
             await asyncio.shield(self._load_task)
 
     async def _load(self, deployment: Deployment) -> None:
-        await load_deployment(deployment, self.schedulers, self.device_errors)
+        await load_deployment(deployment, self._schedulers, self._device_errors)
         for instance in deployment.instances:
-            if instance.device in self.schedulers:
-                self.schedulers[instance.device].notify()
+            if instance.device in self._schedulers:
+                self._schedulers[instance.device].notify()
 
     @property
     def ready(self) -> bool:
-        """Every required model loaded, warmed and serving, and not shutting down."""
-        if self.draining:
+        """Every required model loaded, warmed and serving, no load in progress, not shutting down."""
+        if self._draining:
             return False
-        required = [d for d in self.deployments.values() if d.config.required]
-        return all(d.serving for d in required) and all(d.loaded or d.error for d in self.deployments.values())
+        required = [d for d in self._deployments.values() if d.config.required]
+        return all(d.serving for d in required) and all(d.settled for d in self._deployments.values())
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def begin_drain(self) -> None:
+        """From now on refuse new requests (503) and report not ready; queued work goes on."""
+        if not self._draining:
+            log.info("draining: new requests are refused; %d request(s) in flight", self._inflight)
+        self._draining = True
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new work, let queued and running work finish, then answer whatever is left with 503."""
-        self.draining = True
-        log.info("draining: %d request(s) in flight, timeout %.1fs", self._inflight, timeout_s)
+        self.begin_drain()
+        log.info("drain: waiting up to %.1fs for %d request(s)", timeout_s, self._inflight)
         try:
             await asyncio.wait_for(self._idle.wait(), timeout_s)
         except TimeoutError:
             log.warning("drain timeout: answering %d remaining request(s) with 503", len(self._tickets))
         self._closed = True
         for ticket in list(self._tickets):
-            for deployment in self.deployments.values():
+            for deployment in self._deployments.values():
                 deployment.queue.withdraw(ticket)
             reject(ticket, ShuttingDown("server is shutting down"))
         try:
@@ -189,11 +216,11 @@ class Runtime:
     async def stop(self) -> None:
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
-        for scheduler in self.schedulers.values():
+        for scheduler in self._schedulers.values():
             await scheduler.stop()
-        for deployment in self.deployments.values():
+        for deployment in self._deployments.values():
             for instance in deployment.instances:
-                if instance.state is InstanceState.READY:
+                if instance.loaded:
                     try:
                         await asyncio.wait_for(instance.call(instance.plugin.unload), 5.0)
                     except Exception:
@@ -203,11 +230,11 @@ class Runtime:
 
     # -- the request path -------------------------------------------------------------------
 
-    def deployment(self, name: str) -> Deployment:
+    def _deployment(self, name: str) -> Deployment:
         try:
-            return self.deployments[name]
+            return self._deployments[name]
         except KeyError:
-            known = ", ".join(sorted(self.deployments)) or "none"
+            known = ", ".join(sorted(self._deployments)) or "none"
             raise ModelNotFound(f"no model named {name!r}; models: {known}") from None
 
     def precheck(
@@ -218,7 +245,7 @@ class Runtime:
         before running anything (unknown model, bad header, shutting down, model not serving,
         queue full, predicted to miss its deadline), so that the caller need not read the body.
         Takes nothing: `submit` decides again."""
-        deployment = self.deployment(model)
+        deployment = self._deployment(model)
         now = self.clock()
         started = now if received_at is None else min(received_at, now)
         try:
@@ -247,7 +274,7 @@ class Runtime:
     ) -> Answer:
         """Run one input through a model. Raises a RouterError subclass on any failure.
         The deadline counts from `received_at` (the runtime's clock) when the caller knows it."""
-        deployment = self.deployment(model)
+        deployment = self._deployment(model)
         request_id = request_id or uuid.uuid4().hex
         started = self.clock() if received_at is None else min(received_at, self.clock())
         outcome = "error"
@@ -280,7 +307,7 @@ class Runtime:
         measure = check_predicted_wait(deployment, deadline - now, now)
         queue.reserve_slot(started)
         try:
-            item = await self._before(deadline, deployment, self._on_cpu(plugin.preprocess, payload))
+            item = await self._before(deadline, deployment, self._hook(deployment, "preprocess", plugin.preprocess, payload))
             self._check_accepting(deployment)
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             ticket = Ticket(request_id, item, level, self.clock(), deadline, future, len(payload.body), measure=measure)
@@ -294,7 +321,8 @@ class Runtime:
             output = await self._await_ticket(deployment, ticket, deadline - started)
         finally:
             self._tickets.discard(ticket)
-        result = await self._on_cpu(plugin.postprocess, output, item)
+        result = await self._hook(deployment, "postprocess", plugin.postprocess, output, item)
+        check_answer(deployment, result)
         if ticket.dispatched_at is not None:  # batch end to answer: what admission adds after a batch
             now = self.clock()
             deployment.lag.observe(max(0.0, now - ticket.dispatched_at - ticket.execution_s), now)
@@ -304,7 +332,7 @@ class Runtime:
                       ticket.memory_delta_bytes, plugin.describe_input(payload, item))
 
     def _check_accepting(self, deployment: Deployment) -> None:
-        if self.draining or self._closed:
+        if self._draining or self._closed:
             raise ShuttingDown("server is shutting down; retry on another replica", retry_after_s=5.0)
         if not deployment.serving:
             reason = f": {deployment.error}" if deployment.error else ""
@@ -339,51 +367,24 @@ class Runtime:
     async def _on_cpu(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 
+    async def _hook(self, deployment: Deployment, hook: str, fn: Callable[..., T], *args: Any) -> T:
+        """Run a plugin hook on the CPU pool. Its RouterErrors (InputError...) answer the request;
+        anything else is the plugin's bug: 500, logged once naming plugin, hook and exception."""
+        try:
+            return await self._on_cpu(fn, *args)
+        except RouterError:
+            raise
+        except Exception as exc:
+            plugin = deployment.plugin.name
+            log.error("model %s: plugin %s raised in %s: %s: %s", deployment.name, plugin, hook,
+                      type(exc).__name__, exc, exc_info=exc, extra={"model": deployment.name, "plugin": plugin,
+                                                                      "hook": hook})
+            raise ModelError(
+                f"model {deployment.name!r}: plugin {plugin!r} failed in {hook}: {type(exc).__name__}: {exc}"
+            ) from None
+
     def _notify(self, deployment: Deployment) -> None:
         for device in {i.device for i in deployment.instances}:
-            scheduler = self.schedulers.get(device)
+            scheduler = self._schedulers.get(device)
             if scheduler is not None:
                 scheduler.notify()
-
-
-def check_predicted_wait(deployment: Deployment, budget_s: float, now: float, *, take_probe: bool = True) -> bool:
-    """Refuse at once (503) a request that the work already queued and running would push past
-    its deadline, rather than queueing it to answer 504 later. Returns whether the request is
-    admitted to measure the model's real answer time (it is then never dropped at dispatch)."""
-    decision = deployment.admission(budget_s, now, take_probe=take_probe)
-    if not decision.admit:
-        raise QueueFull(
-            f"model {deployment.name!r} is overloaded: {decision.reason}; retry later",
-            retry_after_s=decision.retry_after_s,
-        )
-    return decision.measure
-
-
-def check_media_type(deployment: Deployment, payload: Payload) -> None:
-    accepts = deployment.plugin.cls.accepts
-    media = payload.media_type.split(";", 1)[0].strip().lower()
-    if media == "application/octet-stream" and any(a.startswith("image/") for a in accepts):
-        return  # bytes of unknown type: the plugin sniffs the real format
-    if not any(fnmatch(media, pattern) for pattern in accepts):
-        raise UnsupportedMediaType(
-            f"model {deployment.name!r} does not accept {media or 'an empty media type'}; accepted: {', '.join(accepts)}"
-        )
-
-
-def check_priority(deployment: Deployment, priority: int | None) -> int:
-    levels = deployment.config.queue.priority_levels
-    if priority is None:
-        return deployment.config.queue.default_priority
-    if not 1 <= priority <= levels:
-        raise InputError(f"X-Priority must be an integer from 1 to {levels}, got {priority}")
-    return priority
-
-
-def check_timeout(deployment: Deployment, timeout_ms: float | None) -> float:
-    """The request's time budget in seconds: the model's queue timeout, or shorter if asked."""
-    limit = deployment.config.queue.timeout_ms
-    if timeout_ms is None:
-        return limit / 1000.0
-    if not timeout_ms > 0:
-        raise InputError(f"X-Timeout-Ms must be a positive number of milliseconds, got {timeout_ms}")
-    return min(timeout_ms, limit) / 1000.0

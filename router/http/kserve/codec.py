@@ -30,7 +30,7 @@ from litestar.exceptions import HTTPException
 from litestar.serialization import encode_json
 from PIL import Image
 
-from router.errors import DeadlineExceeded, ExecutionTimeout, InputError, RouterError
+from router.errors import InputError, RouterError, v2_status
 from router.http.kserve.tensors import DATATYPES, DATATYPES_TEXT, Tensor, serialize_bytes, tensor_from_binary, tensor_from_json
 from router.sdk.plugin import Payload
 
@@ -379,10 +379,7 @@ def encode_response(
 
 def encode_error(exc: BaseException) -> tuple[int, dict[str, str], dict[str, str]] | None:
     """A known error as (status, `{"error": ...}` body, headers); None for an unexpected one.
-
-    The router's status codes hold, except that a deadline that expired before the input ran is
-    503 with Retry-After, as V2 clients expect of a server too busy to answer in time. A batch
-    that overran its execution timeout stays 504: retrying the same input may overrun again."""
+    Statuses are the native ones except where `router.errors.V2_STATUS` says otherwise."""
     if isinstance(exc, ItemFailed):
         status, _, headers = _router_error(exc.error)
         return status, {"error": str(exc)}, headers
@@ -394,6 +391,5 @@ def encode_error(exc: BaseException) -> tuple[int, dict[str, str], dict[str, str
 
 
 def _router_error(exc: RouterError) -> tuple[int, dict[str, str], dict[str, str]]:
-    if isinstance(exc, DeadlineExceeded) and not isinstance(exc, ExecutionTimeout):
-        return 503, {"error": exc.detail}, {"Retry-After": "1", **exc.headers}
-    return exc.status_code, {"error": exc.detail}, dict(exc.headers)
+    status, headers = v2_status(exc)
+    return status, {"error": exc.detail}, headers

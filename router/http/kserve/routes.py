@@ -36,11 +36,11 @@ from router.http.kserve.codec import (
     signature,
     to_payloads,
 )
-from router.http.request_state import received_at
+from router.http.request_state import received_at, runtime_of
 from router.logs import request_id_var
 from router.sdk.plugin import Payload
-from router.serving.deployment import Deployment, ModelState
 from router.serving.runtime import Answer, Runtime
+from router.serving.snapshots import ModelInfo
 
 __all__ = ["v2_router"]
 
@@ -49,21 +49,16 @@ EXTENSIONS: Final = ["binary_tensor_data", "model_repository"]
 DEFAULT_BODY_LIMIT: Final = 20 * 1024 * 1024
 #: Triton's model states, from the router's.
 _TRITON_STATES: Final = {
-    ModelState.READY: "READY", ModelState.DEGRADED: "READY", ModelState.PENDING: "LOADING",
-    ModelState.LOADING: "LOADING", ModelState.FAILED: "UNAVAILABLE", ModelState.STOPPED: "UNAVAILABLE",
+    "ready": "READY", "degraded": "READY", "pending": "LOADING", "loading": "LOADING", "draining": "UNLOADING",
+    "unloading": "UNLOADING", "unloaded": "UNAVAILABLE", "failed": "UNAVAILABLE",
 }
 
 
-def _runtime(request: Request[Any, Any, Any]) -> Runtime:
-    runtime: Runtime = request.app.state.runtime
-    return runtime
-
-
-def _deployment(request: Request[Any, Any, Any], name: str, version: str | None) -> Deployment:
-    deployment = _runtime(request).deployment(name)
+def _model(request: Request[Any, Any, Any], name: str, version: str | None) -> ModelInfo:
+    model = runtime_of(request).model(name)
     if version is not None and version != MODEL_VERSION:
         raise ModelNotFound(f"model {name!r} has no version {version!r}; versions: {MODEL_VERSION}")
-    return deployment
+    return model
 
 
 def _status(ok: bool) -> Response[bytes]:
@@ -87,23 +82,23 @@ async def server_live() -> Response[bytes]:
 @get("/health/ready", summary="V2 readiness: 200 once every required model serves, 400 before and while draining",
      opt={"access": Access.HEALTH})
 async def server_ready(request: Request[Any, Any, Any]) -> Response[bytes]:
-    return _status(_runtime(request).ready)
+    return _status(runtime_of(request).ready)
 
 
 @get(["/models/{name:str}", "/models/{name:str}/versions/{version:str}"], summary="V2 model metadata")
 async def model_metadata(name: str, request: Request[Any, Any, Any], version: str | None = None) -> dict[str, Any]:
-    deployment = _deployment(request, name, version)
+    model = _model(request, name, version)
     return {
         "name": name,
         "versions": [MODEL_VERSION],
-        "platform": f"model-router/{deployment.plugin.name}",
-        **signature(deployment.plugin.cls.accepts).metadata(),
+        "platform": f"model-router/{model.plugin['name']}",
+        **signature(model.accepts).metadata(),
     }
 
 
 @get(["/models/{name:str}/ready", "/models/{name:str}/versions/{version:str}/ready"], summary="V2 model readiness")
 async def model_ready(name: str, request: Request[Any, Any, Any], version: str | None = None) -> Response[bytes]:
-    return _status(_deployment(request, name, version).serving)
+    return _status(_model(request, name, version).serving)
 
 
 # -- inference ------------------------------------------------------------------------------------
@@ -113,11 +108,11 @@ async def model_ready(name: str, request: Request[Any, Any, Any], version: str |
       summary="V2 inference: each item of the batch goes through the model's queue and batcher")
 async def infer(name: str, request: Request[Any, Any, Any], version: str | None = None) -> Response[bytes]:
     """JSON tensors or Triton's binary tensor data extension. Parameters: `timeout` (us), `priority` (1 highest)."""
-    runtime = _runtime(request)
-    deployment = _deployment(request, name, version)  # 404 before reading the body
+    runtime = runtime_of(request)
+    model = _model(request, name, version)  # 404 before reading the body
     body = _decompress(await request.body(), request.headers.get("content-encoding"), _body_limit(request))
-    decoded, outputs, payloads = await asyncio.to_thread(_decode, deployment, body, request.headers.get(HEADER_LENGTH))
-    priority = router_priority(decoded.priority, deployment.config.queue.priority_levels)
+    decoded, outputs, payloads = await asyncio.to_thread(_decode, model, body, request.headers.get(HEADER_LENGTH))
+    priority = router_priority(decoded.priority, model.priority_levels)
     request.scope["state"]["access"] = {"model": name, "input_bytes": len(body), "items": len(payloads)}
     work = _submit_all(runtime, name, payloads, priority, decoded.timeout_ms, received_at(request))
     answers = await run_unless_disconnected(request.receive, work)
@@ -128,12 +123,12 @@ async def infer(name: str, request: Request[Any, Any, Any], version: str | None 
 
 
 def _decode(
-    deployment: Deployment, body: bytes, header_length: str | None
+    model: ModelInfo, body: bytes, header_length: str | None
 ) -> tuple[InferRequest, Sequence[RequestedOutput], list[Payload]]:
     """The CPU part of decoding (JSON, tensors, images), run off the event loop."""
     decoded = decode_request(body, header_length)
-    sig = signature(deployment.plugin.cls.accepts)
-    return decoded, select_outputs(decoded, sig), to_payloads(decoded, deployment.name, sig)
+    sig = signature(model.accepts)
+    return decoded, select_outputs(decoded, sig), to_payloads(decoded, model.name, sig)
 
 
 async def _submit_all(
@@ -200,11 +195,11 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
 async def repository_index(request: Request[Any, Any, Any]) -> list[dict[str, str]]:
     ready_only = _ready_flag(await request.body())
     entries = []
-    for name, deployment in _runtime(request).deployments.items():
-        state = _TRITON_STATES[deployment.state]
+    for model in runtime_of(request).models():
+        state = _TRITON_STATES[model.state]
         if ready_only and state != "READY":
             continue
-        entries.append({"name": name, "version": MODEL_VERSION, "state": state, "reason": deployment.error or ""})
+        entries.append({"name": model.name, "version": MODEL_VERSION, "state": state, "reason": model.error or ""})
     return entries
 
 
@@ -224,7 +219,7 @@ def _ready_flag(body: bytes) -> bool:
 @post(["/repository/models/{name:str}/load", "/repository/models/{name:str}/unload"], status_code=200,
       summary="V2 model load and unload: not supported yet", opt={"access": Access.ADMIN})
 async def load_or_unload(name: str, request: Request[Any, Any, Any]) -> None:
-    _runtime(request).deployment(name)  # an unknown model is still a 404
+    runtime_of(request).model(name)  # an unknown model is still a 404
     raise NotSupported(
         "loading and unloading models through the repository API is not supported yet; "
         "the fleet file decides which models are served"

@@ -1,0 +1,91 @@
+"""The checks a request passes on its way in (and its answer on its way out). Each raises the
+RouterError that answers the request; none has side effects."""
+
+from __future__ import annotations
+
+import math
+from fnmatch import fnmatch
+from typing import Any
+
+from router.errors import InputError, ModelError, QueueFull, UnsupportedMediaType
+from router.sdk.plugin import Payload
+from router.serving.deployment import Deployment
+
+__all__ = ["check_answer", "check_media_type", "check_predicted_wait", "check_priority", "check_timeout"]
+
+_JSON_SCALARS = (str, int, bool, type(None))
+
+
+def check_predicted_wait(deployment: Deployment, budget_s: float, now: float, *, take_probe: bool = True) -> bool:
+    """Refuse at once (503) a request that the work already queued and running would push past
+    its deadline, rather than queueing it to answer 504 later. Returns whether the request is
+    admitted to measure the model's real answer time (it is then never dropped at dispatch)."""
+    decision = deployment.admission(budget_s, now, take_probe=take_probe)
+    if not decision.admit:
+        raise QueueFull(
+            f"model {deployment.name!r} is overloaded: {decision.reason}; retry later",
+            retry_after_s=decision.retry_after_s,
+        )
+    return decision.measure
+
+
+def check_media_type(deployment: Deployment, payload: Payload) -> None:
+    accepts = deployment.plugin.cls.accepts
+    media = payload.media_type.split(";", 1)[0].strip().lower()
+    if media == "application/octet-stream" and any(a.startswith("image/") for a in accepts):
+        return  # bytes of unknown type: the plugin sniffs the real format
+    if not any(fnmatch(media, pattern) for pattern in accepts):
+        raise UnsupportedMediaType(
+            f"model {deployment.name!r} does not accept {media or 'an empty media type'}; accepted: {', '.join(accepts)}"
+        )
+
+
+def check_priority(deployment: Deployment, priority: int | None) -> int:
+    levels = deployment.config.queue.priority_levels
+    if priority is None:
+        return deployment.config.queue.default_priority
+    if not 1 <= priority <= levels:
+        raise InputError(f"X-Priority must be an integer from 1 to {levels}, got {priority}")
+    return priority
+
+
+def check_timeout(deployment: Deployment, timeout_ms: float | None) -> float:
+    """The request's time budget in seconds: the model's queue timeout, or shorter if asked."""
+    limit = deployment.config.queue.timeout_ms
+    if timeout_ms is None:
+        return limit / 1000.0
+    if not timeout_ms > 0:
+        raise InputError(f"X-Timeout-Ms must be a positive number of milliseconds, got {timeout_ms}")
+    return min(timeout_ms, limit) / 1000.0
+
+
+def check_answer(deployment: Deployment, answer: Any) -> None:
+    """An answer must be plain JSON: a NaN or an object JSON cannot carry is the plugin's error
+    (500, naming plugin, hook and where in the answer), never a silent `null`."""
+    problem = _json_problem(answer, "answer")
+    if problem is not None:
+        raise ModelError(
+            f"model {deployment.name!r}: plugin {deployment.plugin.name!r} returned from postprocess {problem}"
+        )
+
+
+def _json_problem(value: Any, path: str, depth: int = 0) -> str | None:
+    if depth > 64:
+        return f"a value nested more than 64 levels deep at {path}"
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{value} at {path}, which JSON cannot carry"
+    if isinstance(value, _JSON_SCALARS):
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"a non-string key {key!r} at {path}"
+            if (problem := _json_problem(item, f"{path}.{key}", depth + 1)) is not None:
+                return problem
+        return None
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            if (problem := _json_problem(item, f"{path}[{index}]", depth + 1)) is not None:
+                return problem
+        return None
+    return f"a {type(value).__name__} at {path}, which is not JSON (return str, int, float, bool, None, list or dict)"
