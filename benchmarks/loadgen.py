@@ -129,14 +129,17 @@ async def open_loop(pool: Pool, targets: Sequence[Target], rates: Sequence[float
 
 
 async def closed_loop(pool: Pool, targets: Sequence[Target], concurrency: int, duration: float,
-                      headers: dict[str, str], timeout_s: float) -> list[Result]:
-    """`concurrency` workers, each sending its next request when the last one is answered."""
+                      headers: dict[str, str], timeout_s: float, cycle: bool = False) -> list[Result]:
+    """`concurrency` workers, each sending its next request when the last one is answered: to
+    its own target (worker i to target i mod n), or with `cycle` to each target in turn."""
     stop = time.perf_counter() + duration
     results: list[Result] = []
 
     async def worker(index: int) -> None:
-        target = targets[index % len(targets)]
+        turn = index
         while time.perf_counter() < stop:
+            target = targets[turn % len(targets)]
+            turn += 1 if cycle else 0
             results.append(await one(pool, target, headers, time.perf_counter(), timeout_s))
 
     await asyncio.gather(*(worker(i) for i in range(concurrency)))
@@ -184,6 +187,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=30.0, help="client-side limit per request, seconds")
     parser.add_argument("--deadline", type=float, help="seconds: answers slower than this do not count as goodput")
     parser.add_argument("--per-target", action="store_true", help="also summarise each target")
+    parser.add_argument("--cycle", action="store_true",
+                        help="closed loop: each worker sends to every target in turn (round robin), not to one")
     return parser.parse_args(argv)
 
 
@@ -197,7 +202,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                  else [args.rate / len(args.target)] * len(args.target))
         results = await open_loop(pool, args.target, rates, args.duration, headers, args.timeout)
     else:
-        results = await closed_loop(pool, args.target, args.concurrency, args.duration, headers, args.timeout)
+        results = await closed_loop(pool, args.target, args.concurrency, args.duration, headers, args.timeout,
+                                    args.cycle)
     elapsed = max(args.duration, time.perf_counter() - started) if args.concurrency else args.duration
     report: dict[str, object] = {"mode": "closed" if args.concurrency else "open", "rate": args.rate or args.rates,
                                  "concurrency": args.concurrency, "duration_s": args.duration,

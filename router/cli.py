@@ -7,13 +7,14 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
-from router.config import ServerSettings, load_fleet
+from router.config import ServerSettings
 from router.errors import ConfigError
 from router.http.auth import AccessPolicy, read_keys
-from router.serving.plan import FleetPlan, resolve_fleet
+from router.serving.plan import FleetPlan, load_plan
 from router.serving.registry import PluginRegistry
 
 __all__ = ["build_plan", "main"]
@@ -23,10 +24,7 @@ log = logging.getLogger("router.cli")
 
 def build_plan(config_path: Path, registry: PluginRegistry | None = None) -> FleetPlan:
     """Parse and resolve a fleet file; raises ConfigError naming file, key, value and what is accepted."""
-    fleet = load_fleet(config_path)
-    if registry is None:
-        registry = PluginRegistry.from_entry_points(only={model.plugin for model in fleet.models.values()})
-    return resolve_fleet(fleet, registry, str(config_path))
+    return load_plan(config_path, registry)
 
 
 def _settings(args: argparse.Namespace) -> ServerSettings:
@@ -134,6 +132,25 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reload(args: argparse.Namespace) -> int:
+    """Ask a running server to re-read its fleet file: SIGHUP to a process, or the admin route."""
+    if args.pid is not None:
+        os.kill(args.pid, signal.SIGHUP)
+        print(f"sent SIGHUP to {args.pid}", file=sys.stderr)
+        return 0
+    import httpx
+
+    key = os.environ.get("MODEL_ROUTER_ADMIN_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        reply = httpx.post(args.url.rstrip("/") + "/admin/reload", headers=headers, timeout=args.timeout)
+    except httpx.HTTPError as exc:
+        print(f"model-router: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    print(reply.text)
+    return 0 if reply.status_code == 200 else 1
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="model-router", description=__doc__)
     sub = root.add_subparsers(dest="command", required=True)
@@ -145,6 +162,13 @@ def parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a fleet file and print the resolved plan")
     check.add_argument("--config", type=Path, default=Path(os.environ.get("MODEL_ROUTER_CONFIG", "config/fleet.yaml")))
     check.set_defaults(func=cmd_check)
+    reload = sub.add_parser("reload", help="make a running server re-read its fleet file and apply the difference")
+    target = reload.add_mutually_exclusive_group()
+    target.add_argument("--url", default="http://127.0.0.1:8000",
+                        help="the server (POST /admin/reload; admin key from env MODEL_ROUTER_ADMIN_KEY)")
+    target.add_argument("--pid", type=int, help="send SIGHUP to this process instead")
+    reload.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the reload")
+    reload.set_defaults(func=cmd_reload)
     plugins = sub.add_parser("plugins", help="list installed plugins")
     plugins.set_defaults(func=cmd_plugins)
     store = sub.add_parser("store", help="model store tasks")

@@ -115,8 +115,9 @@ class DeviceConfig(_Strict):
     memory_fraction: float = Field(0.9, gt=0, le=1, description="budget as a fraction of total memory")
     high_watermark: float = Field(0.9, gt=0, le=1, description="pause admission above this share of budget")
     low_watermark: float = Field(0.8, gt=0, le=1, description="resume admission below this share")
-    probe: Literal["auto", "nvml", "host", "none"] = "auto"
+    probe: Literal["auto", "nvml", "host", "process", "none"] = "auto"
     poll_interval_ms: float = Field(20.0, gt=0, description="probe re-read interval while work waits")
+    max_concurrent_loads: int = Field(1, ge=1, le=64, description="model loads running at once on the device")
 
     @model_validator(mode="after")
     def _watermarks_ordered(self) -> DeviceConfig:
@@ -141,7 +142,15 @@ class ModelConfig(_Strict):
     execution: ExecutionConfig = ExecutionConfig()
     warmup: WarmupConfig = WarmupConfig()
     weight: float = Field(1.0, gt=0, description="fair-share weight among models on a device")
-    required: bool = Field(True, description="readiness waits for this model")
+    required: bool | None = Field(None, description="readiness waits for this model; default: residency is always")
+    residency: Literal["always", "on_demand"] = Field(
+        "always", description="always: loaded at start, never evicted; on_demand: loaded by its first request, evictable"
+    )
+    idle_unload_s: float | None = Field(None, gt=0, description="unload after this long unused (on_demand models)")
+    load_timeout_ms: int = Field(300_000, ge=1, description="a load that takes longer fails")
+    isolation: Literal["thread", "process"] = Field(
+        "thread", description="process: each instance runs in a child process, ended on unload"
+    )
 
     @field_validator("device")
     @classmethod
@@ -165,6 +174,20 @@ class ModelConfig(_Strict):
         if self.device is not None and self.devices is not None:
             raise ValueError("give either device or devices, not both")
         return self
+
+    @model_validator(mode="after")
+    def _residency_keys(self) -> ModelConfig:
+        if self.idle_unload_s is not None and self.residency == "always":
+            raise ValueError("idle_unload_s needs residency: on_demand (an always-resident model is never unloaded)")
+        if self.required and self.residency == "on_demand":
+            raise ValueError("an on_demand model cannot be required: readiness cannot wait for a model that loads "
+                             "on its first request")
+        return self
+
+    @property
+    def is_required(self) -> bool:
+        """Readiness waits for this model (the default for always-resident models)."""
+        return self.required if self.required is not None else self.residency == "always"
 
     @property
     def instance_devices(self) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -106,12 +107,15 @@ def read_records(path: Path) -> list[dict[str, object]]:
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
-    """One sample from Prometheus text output (0 if absent)."""
-    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    prefix = f"{name}{{{wanted}}}" if labels else name
+    """One sample from Prometheus text output, whatever the order of its labels (0 if absent)."""
     for line in text.splitlines():
-        if line.startswith(prefix + " "):
-            return float(line.rsplit(" ", 1)[1])
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        metric, _, rest = series.partition("{")
+        found = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', rest))
+        if metric == name and found == labels:
+            return float(value)
     return 0.0
 
 

@@ -19,6 +19,7 @@ from router.scheduling.probes import (
     MemoryReading,
     NvmlProbe,
     ProbeError,
+    ProcessMemoryProbe,
     ScriptedProbe,
     make_probe,
 )
@@ -42,6 +43,7 @@ needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="no CUDA GPU (
     "make",
     [
         pytest.param(lambda: HostMemoryProbe("cpu"), id="host"),
+        pytest.param(lambda: ProcessMemoryProbe("cpu"), id="process"),
         pytest.param(lambda: ScriptedProbe("cuda:0", [MemoryReading(100, 1000)]), id="scripted"),
         pytest.param(lambda: NvmlProbe("cuda:0"), id="nvml", marks=needs_gpu),
     ],
@@ -67,6 +69,18 @@ def test_host_probe_agrees_with_psutil() -> None:
 
     assert reading.total_bytes == memory.total
     assert abs(reading.used_bytes - (memory.total - memory.available)) < 300 * MiB
+
+
+def test_process_probe_sees_this_process_grow_and_shrink_above_its_baseline() -> None:
+    probe = ProcessMemoryProbe()
+    before = probe.read().used_bytes
+    block = bytearray(200 * MiB)  # touched: resident
+    grown = probe.read().used_bytes
+    del block
+    shrunk = probe.read().used_bytes
+    assert grown - before > 180 * MiB
+    assert grown - shrunk > 180 * MiB  # a large block goes back to the system at once
+    probe.close()
 
 
 def test_scripted_probe_repeats_its_last_reading() -> None:
@@ -235,6 +249,7 @@ def test_nvml_probe_close_ignores_nvml_errors(nvml: types.ModuleType) -> None:
     [
         ("cpu", "auto", HostMemoryProbe),
         ("cpu", "host", HostMemoryProbe),
+        ("cpu", "process", ProcessMemoryProbe),
         ("cuda:0", "host", HostMemoryProbe),
         ("cuda:1", "auto", NvmlProbe),
         ("cuda:0", "nvml", NvmlProbe),

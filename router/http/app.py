@@ -20,6 +20,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from router import __version__
 from router.errors import InputError, RouterError
+from router.http.admin import ADMIN_ROUTES
 from router.http.auth import Access, AccessPolicy, access_guard
 from router.http.disconnect import run_unless_disconnected
 from router.http.kserve.routes import v2_router
@@ -233,7 +234,7 @@ def create_app(
             await runtime.stop()
 
     app = Litestar(
-        route_handlers=[predict, list_models, show_model, live, ready, metrics, v2_router],
+        route_handlers=[predict, list_models, show_model, live, ready, metrics, *ADMIN_ROUTES, v2_router],
         lifespan=[lifespan],
         middleware=[request_id_middleware],
         exception_handlers={Exception: _error_response},

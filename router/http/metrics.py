@@ -17,6 +17,8 @@ __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+LOADED = frozenset({"warming", "ready", "fenced", "draining"})
+LOAD_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -40,6 +42,22 @@ class RouterMetrics:
             "model_router_batch_execution_seconds", "Wall time of one batch on its device.", ["model"],
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )
+        self.loads = Counter(
+            "model_router_loads", "Model instance loads by result (ok, failed).", ["model", "device", "result"],
+            registry=self.registry,
+        )
+        self.load_seconds = Histogram(
+            "model_router_load_seconds", "Time to load, warm and size one instance.", ["model", "device"],
+            buckets=LOAD_BUCKETS, registry=self.registry,
+        )
+        self.evictions = Counter(
+            "model_router_evictions", "Instances unloaded by the residency planner or an operator, by kind "
+            "(idle, lru, deadline, admin, replaced, removed).", ["model", "device", "kind"], registry=self.registry,
+        )
+        self.cold_waits = Histogram(
+            "model_router_cold_start_wait_seconds", "How long a request waited for its model to load.", ["model"],
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
         self.request_latency = Histogram(
             "model_router_request_seconds", "End-to-end time inside the router, by model.", ["model"],
             buckets=LATENCY_BUCKETS, registry=self.registry,
@@ -55,6 +73,17 @@ class RouterMetrics:
 
     def observe_queue_wait(self, model: str, seconds: float) -> None:
         self.queue_wait.labels(model).observe(seconds)
+
+    def observe_load(self, model: str, device: str, seconds: float, ok: bool) -> None:
+        self.loads.labels(model, device, "ok" if ok else "failed").inc()
+        if ok:
+            self.load_seconds.labels(model, device).observe(seconds)
+
+    def observe_eviction(self, model: str, device: str, kind: str) -> None:
+        self.evictions.labels(model, device, kind).inc()
+
+    def observe_cold_wait(self, model: str, seconds: float) -> None:
+        self.cold_waits.labels(model).observe(seconds)
 
     def bind(self, runtime: Runtime) -> None:
         """Receive the runtime's events and read its state at scrape time."""
@@ -74,11 +103,20 @@ class _StateCollector(Collector):
         depth = GaugeMetricFamily("model_router_queue_depth", "Requests waiting in the model's queue.", labels=["model"])
         capacity = GaugeMetricFamily("model_router_queue_capacity", "The model's queue bound.", labels=["model"])
         state = GaugeMetricFamily("model_router_model_state", "1 for the model's current state.", labels=["model", "state"])
+        resident = GaugeMetricFamily("model_router_model_resident_bytes",
+                                     "Weights an instance holds on its device (0 when not loaded).",
+                                     labels=["model", "device"])
         for model in runtime.models():
             depth.add_metric([model.name], model.queue_depth)
             capacity.add_metric([model.name], model.queue_capacity)
             state.add_metric([model.name, model.state], 1)
-        yield from (depth, capacity, state)
+            held: dict[str, int] = {}
+            for instance in model.instances:
+                memory = instance.memory if instance.state in LOADED else None
+                held[instance.device] = held.get(instance.device, 0) + (memory.weights_bytes if memory else 0)
+            for device, nbytes in held.items():
+                resident.add_metric([model.name, device], nbytes)
+        yield from (depth, capacity, state, resident)
         yield from _device_families(runtime)
 
 

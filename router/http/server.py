@@ -1,4 +1,5 @@
-"""Running the app under uvicorn, with a drain on the first SIGTERM or SIGINT."""
+"""Running the app under uvicorn, with a drain on the first SIGTERM or SIGINT, and SIGHUP
+re-reading the fleet file."""
 
 from __future__ import annotations
 
@@ -27,10 +28,30 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Future[Any] | None = None
+        self._reload_task: asyncio.Future[Any] | None = None
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
+        self._loop.add_signal_handler(signal.SIGHUP, self._reload)
         await super().serve(sockets)
+
+    def _reload(self) -> None:
+        """SIGHUP: apply the fleet file's changes, in the background, one reload at a time."""
+        if self._reload_task is not None and not self._reload_task.done():
+            log.warning("received SIGHUP while a reload runs: ignored")
+            return
+
+        async def reload() -> None:
+            try:
+                report = await self.runtime.reload()
+            except Exception as exc:  # a bad file: say so, keep serving what serves
+                log.error("reload on SIGHUP failed, nothing changed: %s", exc)
+                return
+            log.info("reload on SIGHUP: added %s, changed %s, removed %s, errors %s, warnings %s", report.added,
+                     report.changed, report.removed, report.errors, report.warnings)
+
+        log.info("received SIGHUP: re-reading the fleet file")
+        self._reload_task = asyncio.ensure_future(reload())
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._drain_task is not None or self._loop is None or self.runtime.draining:

@@ -1,4 +1,5 @@
-"""Live memory readings behind one interface: NVML for `cuda:N`, host RAM for `cpu`, scripted for tests.
+"""Live memory readings behind one interface: NVML for `cuda:N`, host RAM or this process's own
+memory for `cpu`, scripted for tests.
 
 Only a device's scheduler reads its probe.
 """
@@ -16,6 +17,7 @@ __all__ = [
     "MemoryReading",
     "NvmlProbe",
     "ProbeError",
+    "ProcessMemoryProbe",
     "ScriptedProbe",
     "make_probe",
 ]
@@ -58,6 +60,40 @@ class HostMemoryProbe:
     def read(self) -> MemoryReading:
         memory = self._psutil.virtual_memory()
         return MemoryReading(memory.total - memory.available, memory.total).check()
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessMemoryProbe:
+    """This router's own memory: the resident set of its process and its children (instances
+    with `isolation: process`) above what the process held when the probe opened, out of host RAM.
+
+    On a host shared with other services this budgets what the router adds, not what the
+    neighbours use; and it shows an unloaded model's memory coming back.
+    """
+
+    def __init__(self, device: str = "cpu") -> None:
+        import psutil
+
+        self.device = device
+        self._process = psutil.Process()
+        self._total = int(psutil.virtual_memory().total)
+        self.baseline_bytes = self._tree_rss()
+
+    def _tree_rss(self) -> int:
+        import psutil
+
+        total = 0
+        for process in [self._process, *self._process.children(recursive=True)]:
+            try:
+                total += process.memory_info().rss
+            except psutil.Error:  # a child that just exited
+                continue
+        return int(total)
+
+    def read(self) -> MemoryReading:
+        return MemoryReading(max(0, self._tree_rss() - self.baseline_bytes), self._total).check()
 
     def close(self) -> None:
         pass
@@ -157,4 +193,6 @@ def make_probe(device: str, kind: str) -> MemoryProbe | None:
         return NvmlProbe(device)
     if kind == "host" or (kind == "auto" and device == "cpu"):
         return HostMemoryProbe(device)
+    if kind == "process" and device == "cpu":
+        return ProcessMemoryProbe(device)
     raise ProbeError(f"probe {kind!r} cannot read device {device!r}")

@@ -148,6 +148,14 @@ class ModelQueue:
             self._compact()
         return True
 
+    def withdraw_all(self) -> list[Ticket]:
+        """Withdraw every queued ticket (the model is going away), oldest first, to be answered."""
+        tickets = sorted((t for level in self._levels for t in level if t.state is TicketState.QUEUED),
+                         key=lambda t: t.arrived_at)
+        for ticket in tickets:
+            self.withdraw(ticket)
+        return tickets
+
     def take(self, n: int, now: float) -> list[Ticket]:
         """Dispatch up to n tickets: highest priority first, oldest first within a level."""
         return self.take_viable(n, now, 0.0)[0]

@@ -20,13 +20,18 @@ from router.scheduling.admission import Candidate, DeviceState, Plan, fits, plan
 from router.scheduling.ledger import MemoryLedger, Reservation
 from router.scheduling.probes import MemoryProbe, MemoryReading, ProbeError
 from router.scheduling.queue import ModelQueue, Ticket, reject
+from router.scheduling.residency import Occupant, ResidencyPlan, plan_residency
 from router.scheduling.service_time import BatchTime, DecayingTotal
 from router.sdk.plugin import MemoryEstimate
 
-__all__ = ["DeviceScheduler", "Model", "Runner"]
+__all__ = ["DeviceScheduler", "Model", "NoRoomYet", "ResidencyActions", "Runner"]
 
 log = logging.getLogger("router.scheduling.scheduler")
 IDLE_REFRESH_S = 1.0
+
+
+class NoRoomYet(ModelDoesNotFit):
+    """The instance fits the device, but not beside what is loaded now: evictions can make room."""
 
 
 class Runner(Protocol):
@@ -62,6 +67,16 @@ class Model(Protocol):
     @property
     def budget_bytes(self) -> int | None: ...  # cap on its weights + running batches
     def dispatch_horizon_s(self, runner: Runner, size: int, now: float) -> float: ...
+    def occupant(self, runner: Runner, now: float) -> Occupant: ...  # the runner as residency sees it
+
+
+class ResidencyActions(Protocol):
+    """How the scheduler's residency decisions are carried out (by the serving layer). Each call
+    returns at once: the work runs in the background and ends with a `notify()`."""
+
+    def start_load(self, runner_key: str) -> None: ...
+    def start_unload(self, runner_key: str, kind: str, detail: str) -> None: ...
+    def cannot_load(self, runner_key: str, reason: str) -> None: ...
 
 
 class DeviceScheduler:
@@ -93,6 +108,8 @@ class DeviceScheduler:
         self._task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self._actions: ResidencyActions | None = None
+        self.last_residency = ResidencyPlan()
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -121,21 +138,39 @@ class DeviceScheduler:
         """Refuse an instance whose single-input batch could never fit beside the loaded weights."""
         candidate = self._candidate(model, key="(loading)", estimate=estimate, max_batch=1)
         resident = self.ledger.weights_bytes + estimate.weights_bytes
-        if not fits(candidate, 1, self._device_state(), resident_bytes=resident):
-            raise ModelDoesNotFit(
-                f"model {model.name!r}: one input needs {candidate.batch_bytes(1)} bytes; with "
-                f"{resident} bytes of weights loaded on {self.device} that does not fit the model budget "
-                f"({model.budget_bytes}) or the device budget ({self.budget_bytes})"
+        if fits(candidate, 1, self._device_state(), resident_bytes=resident):
+            return
+        need = estimate.weights_bytes + candidate.batch_bytes(1)
+        if fits(candidate, 1, self._device_state(), resident_bytes=estimate.weights_bytes):
+            raise NoRoomYet(
+                f"model {model.name!r} needs {need} bytes (weights {estimate.weights_bytes} + one input "
+                f"{candidate.batch_bytes(1)}); with {self.ledger.weights_bytes} bytes of other weights loaded on "
+                f"{self.device} that is over the device budget of {self.budget_bytes}"
             )
+        over = (f"its own budget of {model.budget_bytes}" if need <= self.budget_bytes
+                else f"the device budget of {self.budget_bytes} on {self.device}")
+        raise ModelDoesNotFit(f"model {model.name!r} needs {need} bytes (weights {estimate.weights_bytes} + one "
+                              f"input {candidate.batch_bytes(1)}), over {over}")
 
     def book_weights(self, model: Model, runner: Runner, nbytes: int) -> None:
         """An instance's weights are now held on this device (the ledger is written only here)."""
         self.ledger.book_weights(runner.key, model.name, nbytes)
         self.notify()
 
+    def read_now(self) -> int | None:
+        """A fresh reading of the device's used bytes (None without a probe, or if it fails)."""
+        if self.probe is None:
+            return None
+        reading = self._read()
+        return reading.used_bytes if reading is not None else None
+
     def release_weights(self, runner: Runner) -> None:
         self.ledger.release_weights(runner.key)
         self.notify()
+
+    def set_actions(self, actions: ResidencyActions) -> None:
+        """Decide residency from now on, carried out by `actions`."""
+        self._actions = actions
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._supervise(), name=f"scheduler-{self.device}")
@@ -184,7 +219,15 @@ class DeviceScheduler:
                 timer.cancel()
 
     def step(self) -> float | None:
-        """Admit what fits now. Returns when to look again (None: only when notified)."""
+        """Admit what fits now, then decide what should be resident. Returns when to look again
+        (None: only when notified)."""
+        wake_at = self._admit()
+        idle_due = self._plan_residency()
+        if idle_due is not None:
+            wake_at = idle_due if wake_at is None else min(wake_at, idle_due)
+        return wake_at
+
+    def _admit(self) -> float | None:
         now = self.clock()
         candidates: list[Candidate] = []
         next_due: float | None = None
@@ -263,6 +306,34 @@ class DeviceScheduler:
             model_bytes=self.ledger.model_bytes(model.name),
             share=self._served(model.name).at(self.clock()) / model.weight,
         )
+
+    def _plan_residency(self) -> float | None:
+        """Plan loads and evictions and hand them to the serving layer. Returns when an idle
+        model next falls due for unloading, if any does."""
+        if self._actions is None:
+            return None
+        now = self.clock()
+        occupants = [model.occupant(runner, now) for model, runner in self._members]
+        # Residency is about what stays: booked weights, or what the probe sees held beyond the
+        # running batches' reservations, if more. Reservations end with their batches; counting
+        # them here would evict for room that frees itself in a moment.
+        reading = self.last_reading if self.probe is not None else None
+        committed = self.ledger.weights_bytes
+        if reading is not None:
+            committed = max(committed, reading.used_bytes - self.ledger.reserved_bytes)
+        plan = plan_residency(occupants, budget_bytes=self.budget_bytes, committed_bytes=committed,
+                              max_loads=self.config.max_concurrent_loads, now=now)
+        self.last_residency = plan
+        for key, kind, detail in plan.evictions:
+            log.info("device %s: evicting %s (%s: %s)", self.device, key, kind, detail)
+            self._actions.start_unload(key, kind, detail)
+        for key, reason in plan.never_fits:
+            self._actions.cannot_load(key, reason)
+        for key in plan.loads:
+            self._actions.start_load(key)
+        idle = [o.last_used + o.idle_unload_s for o in occupants
+                if o.state == "resident" and o.idle_unload_s is not None and o.work == 0 and not o.pinned]
+        return min(idle) if idle else None
 
     def _served(self, model: str) -> DecayingTotal:
         return self._served_s.setdefault(model, DecayingTotal())

@@ -183,13 +183,15 @@ class Prediction:
     batch_s: float  # expected time of one full batch (with the margin)
     running_left_s: float  # until the first instance is free
     instances: int
+    loading_s: float = 0.0  # until the model is loaded, when it is not yet
 
     def explain(self) -> str:
         running = f", after {self.running_left_s * 1000:.0f} ms left of the running batch" if self.running_left_s else ""
+        loading = f", after about {self.loading_s * 1000:.0f} ms to load the model" if self.loading_s else ""
         return (
             f"an answer is predicted in about {self.answer_in_s * 1000:.0f} ms: {self.queued_ahead} request(s) "
             f"queued ahead make {self.batches_ahead} batch(es) of about {self.batch_s * 1000:.0f} ms on "
-            f"{self.instances} instance(s){running}"
+            f"{self.instances} instance(s){running}{loading}"
         )
 
 

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel
 
 from router.config import BatchPolicy, ModelConfig
 from router.scheduling.queue import ModelQueue
+from router.scheduling.residency import Occupant
 from router.scheduling.scheduler import Runner
 from router.scheduling.service_time import (
     MARGIN_DEVIATIONS,
     AdmissionDecision,
+    InstanceLoad,
     Lag,
     Prediction,
     ProbeGate,
@@ -24,7 +27,12 @@ from router.sdk.plugin import ModelPlugin
 from router.serving.instance import InstanceState, ModelInstance
 from router.serving.registry import PluginInfo
 
-__all__ = ["Deployment", "ModelState"]
+__all__ = ["Deployment", "ModelState", "Residency"]
+
+#: Expected load time of a model never loaded yet, for residency's urgency.
+DEFAULT_LOAD_S = 1.0
+#: After a failed load, an on-demand model is not tried again for this long (doubling, up to 60 s).
+LOAD_RETRY_S = 2.0
 
 
 class ModelState(enum.Enum):
@@ -41,6 +49,43 @@ class ModelState(enum.Enum):
 
 
 @dataclass
+class Residency:
+    """A model's residency bookkeeping: who holds it, who waits for it, what operators asked,
+    and what its loads and unloads cost. Written by the fleet and the request path."""
+
+    holders: int = 0  # requests in flight, from admission to answer: a model with holders is in use
+    last_used: float = 0.0
+    waiting: list[float] = field(default_factory=list)  # deadlines of requests waiting for a load
+    held: bool = False  # an operator's load: kept resident until an operator unloads it
+    held_down: bool = False  # an operator's unload: not loaded again until an operator loads it
+    never_fits: str | None = None
+    load_error: str | None = None
+    retry_at: float = 0.0  # no new load of a failing on-demand model before this
+    retry_s: float = LOAD_RETRY_S
+    cold_start_s: float | None = None  # the last successful load's duration
+    load_started_at: float | None = None
+    loads: int = 0
+    load_failures: int = 0
+    last_load_at: float | None = None  # wall-clock time (epoch seconds)
+    last_unload_returned_bytes: int | None = None
+    evictions: Counter[str] = field(default_factory=Counter)  # by kind
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def pulse(self) -> None:
+        """Wake everyone waiting for a change (a load finished or failed, an unload ended)."""
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def hold(self, now: float) -> None:
+        self.holders += 1
+        self.last_used = now
+
+    def release(self, now: float) -> None:
+        self.holders -= 1
+        self.last_used = now
+
+
+@dataclass
 class Deployment:
     name: str
     config: ModelConfig
@@ -51,17 +96,87 @@ class Deployment:
     outcomes: Counter[str] = field(default_factory=Counter)
     lag: Lag = field(default_factory=Lag)  # batch end to answer: postprocessing and event-loop lag
     gate: ProbeGate = field(default_factory=ProbeGate)
+    residency: Residency = field(default_factory=Residency)
+    generation: int = 1  # a changed model is a new deployment of the same name, one generation on
+
+    @property
+    def on_demand(self) -> bool:
+        return self.config.residency == "on_demand"
+
+    @property
+    def loading(self) -> bool:
+        return any(i.state in (InstanceState.LOADING, InstanceState.WARMING) for i in self.instances)
+
+    def wanted(self, now: float) -> bool:
+        """Absent instances should be loaded: requests wait for them, or an operator asked."""
+        res = self.residency
+        if res.held_down or res.never_fits is not None or now < res.retry_at:
+            return False
+        return res.held or (self.on_demand and (res.holders > 0 or bool(res.waiting)))
+
+    def occupant(self, runner: Runner, now: float) -> Occupant:
+        """An instance of this model as its device's residency planner sees it."""
+        instance = next(i for i in self.instances if i.key == runner.key)
+        res = self.residency
+        state = instance.state
+        if state in (InstanceState.LOADING, InstanceState.WARMING):
+            where = "loading"
+        elif state in (InstanceState.READY, InstanceState.FENCED):
+            where = "resident"
+        elif state in (InstanceState.DRAINING, InstanceState.UNLOADING):
+            where = "leaving"
+        else:
+            where = "absent"
+        estimate = instance.estimate or instance.last_estimate
+        declared = self.config.memory.weights
+        weights = estimate.weights_bytes if estimate else (int(declared) if declared is not None else 0)
+        return Occupant(
+            key=instance.key,
+            model=self.name,
+            state=where,  # type: ignore[arg-type]
+            weights_bytes=weights,
+            batch_bytes=estimate.batch_bytes(1) if estimate else 0,
+            on_demand=self.on_demand and not res.held,
+            pinned=res.held or not self.on_demand,
+            busy=instance.busy,
+            work=res.holders,
+            last_used=res.last_used,
+            wanted=self.wanted(now),
+            slack_s=min(res.waiting) - now if res.waiting else None,
+            load_s=res.cold_start_s if res.cold_start_s is not None else DEFAULT_LOAD_S,
+            idle_unload_s=self.config.idle_unload_s,
+        )
 
     def ready_instances(self) -> list[ModelInstance]:
         return [i for i in self.instances if i.state is InstanceState.READY]
 
     def predict(self, now: float, *, margin: float = MARGIN_DEVIATIONS) -> Prediction | None:
-        """When a request queued now would be answered (None: nothing timed to predict from)."""
-        return predict_answer(
-            now, [i.load_view() for i in self.ready_instances()], queued_ahead=self.queue.occupancy,
+        """When a request queued now would be answered (None: nothing timed to predict from). A
+        model that is not loaded first waits for its load, timed by its last cold start."""
+        ready = self.ready_instances()
+        load_s = 0.0
+        if not ready:
+            res = self.residency
+            ready = [i for i in self.instances if i.times.seeded]
+            if not ready or res.cold_start_s is None or not self.waits_for_load:
+                return None
+            started = res.load_started_at if res.load_started_at is not None else now
+            load_s = max(0.0, started + res.cold_start_s - now)
+        prediction = predict_answer(
+            now + load_s, [InstanceLoad(i.times, None, i.max_batch) for i in ready] if load_s else
+            [i.load_view() for i in ready], queued_ahead=self.queue.occupancy,
             max_batch=self.config.batch.max_size, max_delay_s=self.config.batch.max_delay_s,
             lag_s=self.lag.at(now), margin=margin,
         )
+        if prediction is None or not load_s:
+            return prediction
+        return replace(prediction, answer_in_s=prediction.answer_in_s + load_s, loading_s=load_s)
+
+    @property
+    def waits_for_load(self) -> bool:
+        """Requests may wait for this model to load: it is on demand, an operator is loading it,
+        or it is a new version of a changed model on its way in."""
+        return self.on_demand or self.residency.held or (self.generation > 1 and self.state is not ModelState.FAILED)
 
     @property
     def idle(self) -> bool:
@@ -101,7 +216,7 @@ class Deployment:
                 return model_state
         if InstanceState.FAILED in states:
             return ModelState.FAILED
-        if states == {InstanceState.PENDING}:
+        if states == {InstanceState.PENDING} and not self.on_demand:
             return ModelState.PENDING
         return ModelState.UNLOADED
 
@@ -117,7 +232,9 @@ class Deployment:
 
     @property
     def settled(self) -> bool:
-        """No load in progress (readiness waits for this)."""
+        """No start-up load in progress (readiness waits for this; on-demand models never hold it up)."""
+        if self.on_demand:
+            return True
         return not any(i.state in (InstanceState.PENDING, InstanceState.LOADING, InstanceState.WARMING)
                        for i in self.instances)
 

@@ -91,17 +91,24 @@ class ModelInstance:
         execution_timeout_s: float,
         on_batch: BatchObserver | None = None,
         clock: Callable[[], float] = time.monotonic,
+        generation: int = 1,
     ) -> None:
         self.model = model
         self.index = index
         self.device = device
         self.plugin = plugin
-        self.key = f"{model}/{index}"
+        self.generation = generation
+        self.key = f"{model}/{index}" if generation == 1 else f"{model}/{index}@{generation}"
         self.execution_timeout_s = execution_timeout_s
         self._state = InstanceState.PENDING
         self.error: str | None = None
+        self.cause: BaseException | None = None  # what made it fail
         self.estimate: MemoryEstimate | None = None
+        self.last_estimate: MemoryEstimate | None = None  # from the last load: sizes the next one
         self.max_batch = 1
+        self.loaded_at: float | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
         self.busy = False
         self.busy_until: float | None = None  # expected end of the running batch
         self.batches = 0
@@ -134,11 +141,12 @@ class ModelInstance:
 
     def mark_ready(self, estimate: MemoryEstimate, max_batch: int) -> None:
         """Loaded and warmed, with the memory figures and batch cap this instance is held to."""
-        self.estimate, self.max_batch = estimate, max_batch
+        self.estimate, self.last_estimate, self.max_batch = estimate, estimate, max_batch
+        self.loaded_at = self._clock()
         self._move(InstanceState.READY)
 
-    def fail(self, error: str) -> None:
-        self.error = error
+    def fail(self, error: str, cause: BaseException | None = None) -> None:
+        self.error, self.cause = error, cause
         self._move(InstanceState.FAILED, error)
 
     def fence(self, why: str) -> None:
@@ -183,10 +191,16 @@ class ModelInstance:
         """Mark the instance busy with a batch of `size` dispatched at `now` (by its scheduler)."""
         self.busy = True
         self.busy_until = now + self.times.seconds(size, now)
+        self._idle.clear()
 
     def end_batch(self) -> None:
         self.busy = False
         self.busy_until = None
+        self._idle.set()
+
+    async def until_batch_done(self) -> None:
+        """Return once no batch runs on this instance (the scheduler has released it)."""
+        await self._idle.wait()
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on this instance's thread (loading, warm-up, profiling)."""

@@ -9,7 +9,7 @@ import time
 from collections.abc import Mapping
 
 from router.errors import ModelDoesNotFit
-from router.scheduling.scheduler import DeviceScheduler
+from router.scheduling.scheduler import DeviceScheduler, NoRoomYet
 from router.sdk.plugin import MemoryEstimate
 from router.serving.deployment import Deployment
 from router.serving.instance import ModelInstance
@@ -33,21 +33,39 @@ async def load_deployment(
     log.info("model %s: %s", deployment.name, deployment.state.value, extra={"model": deployment.name})
 
 
-async def load_instance(deployment: Deployment, instance: ModelInstance, scheduler: DeviceScheduler) -> bool:
-    """Load, size, warm up and time one instance, book its weights and put it in service.
-    On any failure the instance is failed with the reason and holds nothing; returns success."""
+async def load_instance(
+    deployment: Deployment, instance: ModelInstance, scheduler: DeviceScheduler, *, started: bool = False,
+    may_wait: bool = False,
+) -> bool:
+    """Load, size, warm up and time one instance, book its weights and put it in service
+    (`started`: its state already says loading). On any failure the instance is failed with the
+    reason and holds nothing; returns success. With `may_wait`, an instance that turns out not
+    to fit beside what is loaded now (its size was unknown before loading) is unloaded again,
+    not failed: with its size known, residency makes room and loads it again."""
     booked = False
     try:
-        instance.begin_load()
+        if not started:
+            instance.begin_load()
         booked = await _load_instance(deployment, instance, scheduler)
         return True
+    except NoRoomYet as exc:
+        if not may_wait:
+            await _unload_quietly(instance)
+            instance.fail(f"{type(exc).__name__}: {exc}")
+            return False
+        log.info("model %s instance %d: %s; unloading until there is room", deployment.name, instance.index, exc,
+                 extra={"model": deployment.name})
+        await _unload_quietly(instance)
+        instance.begin_unload()
+        instance.mark_unloaded()
+        return False
     except Exception as exc:
         if booked:
             scheduler.release_weights(instance)
         log.exception("model %s instance %d failed to load", deployment.name, instance.index,
                       extra={"model": deployment.name})
         await _unload_quietly(instance)
-        instance.fail(f"{type(exc).__name__}: {exc}")
+        instance.fail(f"{type(exc).__name__}: {exc}", exc)
         return False
 
 
@@ -63,10 +81,20 @@ async def _unload_quietly(instance: ModelInstance) -> None:
 async def _load_instance(deployment: Deployment, instance: ModelInstance, scheduler: DeviceScheduler) -> bool:
     name, plugin, config = deployment.name, instance.plugin, deployment.config
     started = time.perf_counter()
+    reload = instance.last_estimate if instance.times.seeded else None  # an earlier load's figures
     await instance.call(plugin.load, instance.device)
-    estimate = apply_declared(await instance.call(plugin.memory_estimate), config.memory)
     instance.begin_warmup()
-    estimate = await _warm_up(deployment, instance, estimate)
+    if reload is not None:
+        # A reload (on demand, after an eviction) of the same checkpoint: the memory figures and
+        # batch timings of the first load still hold, and the framework's lazy set-up was done
+        # then, so nothing is estimated, warmed, profiled or timed again.
+        estimate = reload
+    else:
+        estimate = apply_declared(await instance.call(plugin.memory_estimate), config.memory)
+        if instance.last_estimate is None:
+            instance.last_estimate = estimate  # sizes residency's plans from now on, loaded or not
+        scheduler.check_fits(deployment, estimate)  # before warming up: no room means no warm-up wasted
+        estimate = await _warm_up(deployment, instance, estimate)
     limit = max_batch_within(estimate, deployment.budget_bytes, config.batch.max_size)
     if limit < 1:
         raise ModelDoesNotFit(
@@ -74,7 +102,7 @@ async def _load_instance(deployment: Deployment, instance: ModelInstance, schedu
             f"{estimate.batch_bytes(1)} for one input (+20% margin), over its budget of {deployment.budget_bytes}"
         )
     scheduler.check_fits(deployment, estimate)
-    if config.warmup.enabled:
+    if config.warmup.enabled and reload is None:
         await _time_batches(deployment, instance, sorted({1, limit}))
     scheduler.book_weights(deployment, instance, estimate.weights_bytes)
     instance.mark_ready(estimate, limit)

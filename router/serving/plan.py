@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from router.config import FleetConfig, format_validation_error
+from router.config import FleetConfig, format_validation_error, load_fleet
 from router.errors import ConfigError, UnknownPlugin
 from router.serving.registry import PluginInfo, PluginRegistry
 
-__all__ = ["FleetPlan", "ModelPlan", "resolve_fleet"]
+__all__ = ["FleetPlan", "ModelPlan", "load_plan", "resolve_fleet"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,8 @@ class FleetPlan:
                 "execution": config.execution.model_dump(mode="json"),
                 "warmup": config.warmup.model_dump(mode="json", exclude_none=True),
                 "weight": config.weight,
-                "required": config.required,
+                "required": config.is_required,
+                "residency": config.residency,
             }
         return {
             "source": self.source,
@@ -76,3 +78,12 @@ def resolve_fleet(fleet: FleetConfig, registry: PluginRegistry, source: str = "f
     if problems:
         raise ConfigError("\n".join([f"{source}: invalid configuration ({len(problems)} problem(s))", *problems]))
     return FleetPlan(source, fleet, models)
+
+
+def load_plan(config_path: Path, registry: PluginRegistry | None = None) -> FleetPlan:
+    """Parse and resolve a fleet file; raises ConfigError naming file, key, value and what is accepted.
+    Without a registry, only the plugins the fleet names are imported."""
+    fleet = load_fleet(config_path)
+    if registry is None:
+        registry = PluginRegistry.from_entry_points(only={model.plugin for model in fleet.models.values()})
+    return resolve_fleet(fleet, registry, str(config_path))

@@ -16,9 +16,10 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from router.config import FleetConfig
@@ -35,9 +36,12 @@ from router.scheduling.probes import MemoryProbe, make_probe
 from router.scheduling.queue import ModelQueue, Ticket, reject
 from router.scheduling.scheduler import DeviceScheduler
 from router.sdk.plugin import Payload, PluginContext
+from router.serving.changes import FleetChanges, ReloadReport
 from router.serving.checks import check_answer, check_media_type, check_predicted_wait, check_priority, check_timeout
 from router.serving.deployment import Deployment
+from router.serving.fleet import Fleet, UnloadReport
 from router.serving.instance import ModelInstance
+from router.serving.isolation import RemotePlugin
 from router.serving.loading import load_deployment
 from router.serving.plan import FleetPlan
 from router.serving.snapshots import DeviceInfo, ModelInfo, device_info, model_info
@@ -91,26 +95,34 @@ class Runtime:
         self._draining = False
         self._closed = False
         self._load_task: asyncio.Task[None] | None = None
-        self._build(plugin_extra or {})
+        self._plugin_extra = dict(plugin_extra or {})
+        self._fleet = Fleet(self._deployments, self._schedulers, self.telemetry, self.clock)
+        for name in self.plan.models:
+            self._deployments[name] = self._build(name, self.plan, 1)
+        self._changes = FleetChanges(plan, self._deployments, self._schedulers, self._fleet, self._build, self.clock)
 
     # -- construction and lifecycle ---------------------------------------------------------
 
-    def _build(self, plugin_extra: dict[str, Any]) -> None:
-        for name, model_plan in self.plan.models.items():
-            config = self.fleet.models[name]
-            queue = ModelQueue(name, max_size=config.queue.max_size, priority_levels=config.queue.priority_levels)
-            deployment = Deployment(name, config, model_plan.plugin, model_plan.options, queue)
-            context = PluginContext(name, self.fleet.model_store, self.fleet.allow_absolute_paths, dict(plugin_extra))
-            for index, device in enumerate(config.instance_devices):
-                plugin = model_plan.plugin.cls(model_plan.options, context)
-                instance = ModelInstance(
-                    name, index, device, plugin,
-                    execution_timeout_s=config.execution.timeout_ms / 1000.0,
-                    on_batch=self.telemetry.observe_batch,
-                    clock=self.clock,
-                )
-                deployment.instances.append(instance)
-            self._deployments[name] = deployment
+    def _build(self, name: str, plan: FleetPlan, generation: int) -> Deployment:
+        """A model's deployment from a plan: its queue and one instance per device entry."""
+        model_plan, fleet = plan.models[name], plan.fleet
+        config = fleet.models[name]
+        queue = ModelQueue(name, max_size=config.queue.max_size, priority_levels=config.queue.priority_levels)
+        deployment = Deployment(name, config, model_plan.plugin, model_plan.options, queue, generation=generation)
+        context = PluginContext(name, fleet.model_store, fleet.allow_absolute_paths, dict(self._plugin_extra))
+        for index, device in enumerate(config.instance_devices):
+            cls = model_plan.plugin.cls
+            plugin = (RemotePlugin(cls, model_plan.options, context) if config.isolation == "process"
+                      else cls(model_plan.options, context))
+            instance = ModelInstance(
+                name, index, device, plugin,
+                execution_timeout_s=config.execution.timeout_ms / 1000.0,
+                on_batch=self.telemetry.observe_batch,
+                clock=self.clock,
+                generation=generation,
+            )
+            deployment.instances.append(instance)
+        return deployment
 
     async def start(self) -> None:
         """Start the device schedulers and begin loading models in the background."""
@@ -124,6 +136,7 @@ class Runtime:
                 log.error("device %s unavailable: %s", device, exc)
                 continue
             self._schedulers[device] = scheduler
+            scheduler.set_actions(self._fleet)
             scheduler.start()
         for deployment in self._deployments.values():
             for instance in deployment.instances:
@@ -159,10 +172,38 @@ class Runtime:
         """Requests inside `submit` now."""
         return self._inflight
 
+    # -- operators' changes ---------------------------------------------------------------------
+
+    async def load_model(self, name: str) -> ModelInfo:
+        """Load a model now and keep it resident until an operator unloads it."""
+        await self._changes.load(name)
+        return self.model(name)
+
+    async def unload_model(self, name: str) -> tuple[ModelInfo, list[UnloadReport]]:
+        """Unload a model now (queued requests get 503) and keep it out until an operator loads it."""
+        reports = await self._changes.unload(name)
+        return self.model(name), reports
+
+    async def put_model(self, name: str, section: Mapping[str, Any], source: str = "PUT /models") -> tuple[str, ModelInfo]:
+        """Add or change a model from its fleet-file section: (added | changed | unchanged, its snapshot)."""
+        self._check_open()
+        outcome = await self._changes.put(name, section, f"{source}/{name}")
+        return outcome, self.model(name)
+
+    async def delete_model(self, name: str) -> None:
+        """Stop taking requests for a model, answer what it accepted, unload it."""
+        await self._changes.delete(name)
+
+    async def reload(self, path: Path | None = None) -> ReloadReport:
+        """Re-read the fleet file (the one served, unless `path`) and apply the difference."""
+        self._check_open()
+        return await self._changes.reload(path or Path(self._changes.plan.source))
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def load_all(self) -> None:
-        await asyncio.gather(*(self._load(d) for d in self._deployments.values()))
+        """Load every always-resident model (on-demand ones load with their first request)."""
+        await asyncio.gather(*(self._load(d) for d in self._deployments.values() if not d.on_demand))
         # Everything loaded so far (frameworks, weights) lives as long as the process: keep the
         # cyclic collector from scanning it, or each full collection stalls the event loop.
         gc.freeze()
@@ -182,7 +223,7 @@ class Runtime:
         """Every required model loaded, warmed and serving, no load in progress, not shutting down."""
         if self._draining:
             return False
-        required = [d for d in self._deployments.values() if d.config.required]
+        required = [d for d in self._deployments.values() if d.config.is_required]
         return all(d.serving for d in required) and all(d.settled for d in self._deployments.values())
 
     @property
@@ -216,6 +257,7 @@ class Runtime:
     async def stop(self) -> None:
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
+        await self._fleet.stop()
         for scheduler in self._schedulers.values():
             await scheduler.stop()
         for deployment in self._deployments.values():
@@ -301,14 +343,30 @@ class Runtime:
         check_media_type(deployment, payload)
         level = check_priority(deployment, priority)
         deadline = started + check_timeout(deployment, timeout_ms)
-        plugin = deployment.front
         queue = deployment.queue
         now = self.clock()
         measure = check_predicted_wait(deployment, deadline - now, now)
         queue.reserve_slot(started)
+        deployment.residency.hold(now)  # in use: not evicted until answered
         try:
+            return await self._held(deployment, payload, level, deadline, measure, request_id, started)
+        finally:
+            deployment.residency.release(self.clock())
+            if deployment.residency.holders == 0:
+                self._notify(deployment)  # no longer in use: residency may act on it
+
+    async def _held(
+        self, deployment: Deployment, payload: Payload, level: int, deadline: float, measure: bool,
+        request_id: str, started: float,
+    ) -> Answer:
+        queue = deployment.queue
+        try:
+            if not deployment.serving:  # an on-demand model: wait for its load (counted in its queue)
+                waited = await self._fleet.until_serving(deployment, deadline)
+                self.telemetry.observe_cold_wait(deployment.name, waited)
+            plugin = deployment.front
             item = await self._before(deadline, deployment, self._hook(deployment, "preprocess", plugin.preprocess, payload))
-            self._check_accepting(deployment)
+            self._check_open()
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             ticket = Ticket(request_id, item, level, self.clock(), deadline, future, len(payload.body), measure=measure)
         except BaseException:
@@ -331,12 +389,23 @@ class Runtime:
         return Answer(request_id, deployment.name, result, wait, ticket.batch_size, ticket.execution_s,
                       ticket.memory_delta_bytes, plugin.describe_input(payload, item))
 
-    def _check_accepting(self, deployment: Deployment) -> None:
+    def _check_open(self) -> None:
         if self._draining or self._closed:
             raise ShuttingDown("server is shutting down; retry on another replica", retry_after_s=5.0)
-        if not deployment.serving:
-            reason = f": {deployment.error}" if deployment.error else ""
-            raise ModelUnavailable(f"model {deployment.name!r} is {deployment.state.value}{reason}", retry_after_s=5.0)
+
+    def _check_accepting(self, deployment: Deployment) -> None:
+        """Shutting down, or a model that cannot serve soon: 503 at once. An on-demand model that
+        is not loaded is accepted (the request waits for its load)."""
+        self._check_open()
+        if deployment.serving:
+            return
+        if deployment.waits_for_load:
+            self._fleet.check_loadable(deployment)
+            return
+        if deployment.residency.held_down:
+            self._fleet.check_loadable(deployment)
+        reason = f": {deployment.error}" if deployment.error else ""
+        raise ModelUnavailable(f"model {deployment.name!r} is {deployment.state.value}{reason}", retry_after_s=5.0)
 
     async def _await_ticket(self, deployment: Deployment, ticket: Ticket, budget_s: float) -> Any:
         """Wait for the ticket's batch. A ticket still queued at its deadline is withdrawn and gets 504 then."""

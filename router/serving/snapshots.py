@@ -17,7 +17,9 @@ from router.sdk.plugin import MemoryEstimate
 from router.serving.deployment import Deployment
 from router.serving.instance import ModelInstance
 
-__all__ = ["DeviceInfo", "InstanceInfo", "MemoryFigures", "ModelInfo", "TimingInfo", "device_info", "model_info"]
+__all__ = [
+    "DeviceInfo", "InstanceInfo", "MemoryFigures", "ModelInfo", "ResidencyInfo", "TimingInfo", "device_info", "model_info",
+]
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,28 @@ class InstanceInfo:
 
 
 @dataclass(frozen=True)
+class ResidencyInfo:
+    """Where a model stands in the dynamic fleet."""
+
+    mode: str  # always | on_demand
+    resident: bool
+    held: bool  # loaded by an operator: kept until unloaded
+    held_down: bool  # unloaded by an operator: kept out until loaded
+    in_use: int  # requests in flight
+    waiting_for_load: int
+    last_used_s_ago: float | None
+    loads: int
+    load_failures: int
+    last_load_at: float | None  # epoch seconds
+    last_load_s: float | None  # the last cold start
+    last_unload_returned_bytes: int | None
+    evictions: Mapping[str, int]
+    never_fits: str | None
+    load_error: str | None
+    generation: int
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """One model at one moment."""
 
@@ -85,6 +109,7 @@ class ModelInfo:
     timing: tuple[TimingInfo, ...]
     answer_lag_ms: float
     probes: int
+    residency: ResidencyInfo | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
@@ -114,6 +139,8 @@ class ModelInfo:
             "weight": self.weight,
             "required": self.required,
             "requests": dict(self.requests),
+            "residency": None if self.residency is None else {**asdict(self.residency),
+                                                              "evictions": dict(self.residency.evictions)},
             **self.extra,
         }
 
@@ -167,7 +194,7 @@ def model_info(deployment: Deployment, now: float) -> ModelInfo:
         devices=tuple(config.instance_devices),
         instances=tuple(
             InstanceInfo(i.index, i.device, i.state.value, i.busy, i.batches, i.error, i.max_batch,
-                         MemoryFigures.of(i.estimate))
+                         MemoryFigures.of(i.estimate or i.last_estimate))  # an unloaded model's last figures
             for i in deployment.instances
         ),
         queue_depth=deployment.queue.depth,
@@ -179,11 +206,34 @@ def model_info(deployment: Deployment, now: float) -> ModelInfo:
         budget_bytes=deployment.budget_bytes,
         execution_timeout_ms=config.execution.timeout_ms,
         weight=config.weight,
-        required=config.required,
+        required=config.is_required,
         requests=dict(deployment.outcomes),
         timing=tuple(_timing(i, now) for i in deployment.instances),
         answer_lag_ms=round(deployment.lag.at(now) * 1000, 3),
         probes=deployment.gate.probes,
+        residency=_residency(deployment, now),
+    )
+
+
+def _residency(deployment: Deployment, now: float) -> ResidencyInfo:
+    res = deployment.residency
+    return ResidencyInfo(
+        mode=deployment.config.residency,
+        resident=any(i.loaded for i in deployment.instances),
+        held=res.held,
+        held_down=res.held_down,
+        in_use=res.holders,
+        waiting_for_load=len(res.waiting),
+        last_used_s_ago=round(now - res.last_used, 3) if res.last_used else None,
+        loads=res.loads,
+        load_failures=res.load_failures,
+        last_load_at=res.last_load_at,
+        last_load_s=round(res.cold_start_s, 3) if res.cold_start_s is not None else None,
+        last_unload_returned_bytes=res.last_unload_returned_bytes,
+        evictions=dict(res.evictions),
+        never_fits=res.never_fits,
+        load_error=res.load_error,
+        generation=deployment.generation,
     )
 
 

@@ -14,6 +14,9 @@ class Telemetry(Protocol):
     def observe_request(self, model: str, outcome: str, seconds: float) -> None: ...
     def observe_queue_wait(self, model: str, seconds: float) -> None: ...
     def observe_batch(self, model: str, size: int, seconds: float) -> None: ...
+    def observe_load(self, model: str, device: str, seconds: float, ok: bool) -> None: ...
+    def observe_eviction(self, model: str, device: str, kind: str) -> None: ...
+    def observe_cold_wait(self, model: str, seconds: float) -> None: ...  # a request waited for a load
 
 
 class TelemetryFanout:
@@ -33,3 +36,15 @@ class TelemetryFanout:
     def observe_batch(self, model: str, size: int, seconds: float) -> None:
         for sink in self.sinks:
             sink.observe_batch(model, size, seconds)
+
+    def observe_load(self, model: str, device: str, seconds: float, ok: bool) -> None:
+        for sink in self.sinks:
+            sink.observe_load(model, device, seconds, ok)
+
+    def observe_eviction(self, model: str, device: str, kind: str) -> None:
+        for sink in self.sinks:
+            sink.observe_eviction(model, device, kind)
+
+    def observe_cold_wait(self, model: str, seconds: float) -> None:
+        for sink in self.sinks:
+            sink.observe_cold_wait(model, seconds)

@@ -180,8 +180,8 @@ def test_errors_carry_the_routers_message(fleet_server: RouterProcess) -> None:
     two = encoded_images("street.jpg", "street.jpg")
     two.set_data_from_numpy(np.array([(EXAMPLES / "street.jpg").read_bytes(), b"not an image"], dtype=np.object_))
     assert expect_error(lambda: triton.infer("resnet18", [two]), 400).startswith("item 1 of 2: corrupt or truncated image")
-    assert expect_error(lambda: triton.load_model("resnet18"), 400).startswith(
-        "loading and unloading models through the repository API is not supported yet")
+    assert expect_error(lambda: triton.load_model("nope"), 404) == "no model named 'nope'; models: resnet18, yolov8n"
+    triton.load_model("resnet18")  # loaded already: nothing to do
     assert triton.is_model_ready("resnet18")  # still serving
 
 

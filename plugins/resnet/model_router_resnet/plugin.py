@@ -78,9 +78,12 @@ class ResNetPlugin(ModelPlugin[ResNetOptions]):
             )
         state = _read_state_dict(self.weights_path)
         num_classes = _fc_rows(state, self.weights_path)
-        network: torch.nn.Module = getattr(torchvision.models, self.options.arch)(weights=None, num_classes=num_classes)
+        # Built on the meta device (no random initialisation to throw away), then the checkpoint's
+        # tensors are taken as they are: a load, and an on-demand reload, cost little beyond reading the file.
+        with torch.device("meta"):
+            network: torch.nn.Module = getattr(torchvision.models, self.options.arch)(weights=None, num_classes=num_classes)
         try:
-            network.load_state_dict(state)
+            network.load_state_dict(state, assign=True)
         except RuntimeError as exc:
             detail = str(exc).splitlines()[1:3]
             raise ValueError(

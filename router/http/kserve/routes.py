@@ -26,7 +26,6 @@ from router.http.kserve.codec import (
     MODEL_VERSION,
     InferRequest,
     ItemFailed,
-    NotSupported,
     RequestedOutput,
     decode_request,
     encode_error,
@@ -216,14 +215,18 @@ def _ready_flag(body: bytes) -> bool:
     return ready
 
 
-@post(["/repository/models/{name:str}/load", "/repository/models/{name:str}/unload"], status_code=200,
-      summary="V2 model load and unload: not supported yet", opt={"access": Access.ADMIN})
-async def load_or_unload(name: str, request: Request[Any, Any, Any]) -> None:
-    runtime_of(request).model(name)  # an unknown model is still a 404
-    raise NotSupported(
-        "loading and unloading models through the repository API is not supported yet; "
-        "the fleet file decides which models are served"
-    )
+@post("/repository/models/{name:str}/load", status_code=200, summary="V2 model load: load now, keep resident",
+      opt={"access": Access.ADMIN})
+async def repository_load(name: str, request: Request[Any, Any, Any]) -> Response[bytes]:
+    await runtime_of(request).load_model(name)
+    return Response(b"", status_code=200, media_type=MediaType.TEXT)
+
+
+@post("/repository/models/{name:str}/unload", status_code=200, summary="V2 model unload: unload now, keep out",
+      opt={"access": Access.ADMIN})
+async def repository_unload(name: str, request: Request[Any, Any, Any]) -> Response[bytes]:
+    await runtime_of(request).unload_model(name)
+    return Response(b"", status_code=200, media_type=MediaType.TEXT)
 
 
 # -- errors and the router ------------------------------------------------------------------------
@@ -242,7 +245,7 @@ def _v2_error_response(request: Request[Any, Any, Any], exc: Exception) -> Respo
 v2_router = Router(
     path="/v2",
     route_handlers=[server_metadata, server_live, server_ready, model_metadata, model_ready, infer,
-                    repository_index, load_or_unload],
+                    repository_index, repository_load, repository_unload],
     exception_handlers={Exception: _v2_error_response},
     tags=["Open Inference Protocol (V2)"],
 )

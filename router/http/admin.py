@@ -1,0 +1,80 @@
+"""Admin routes: change the fleet while it serves. They need an admin key when keys are set.
+
+    POST   /models/{name}/load     load now and keep resident until unloaded
+    POST   /models/{name}/unload   unload now (queued requests get 503) and keep out until loaded
+    PUT    /models/{name}          add or change a model: its fleet-file section as JSON or YAML
+    DELETE /models/{name}          answer what it accepted, unload, forget
+    POST   /admin/reload           re-read the fleet file and apply the difference (as SIGHUP)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Any
+
+import yaml
+from litestar import Request, Response, delete, post, put
+
+from router.errors import ConfigError, InputError
+from router.http.auth import Access
+from router.http.request_state import runtime_of
+
+__all__ = ["ADMIN_ROUTES"]
+
+ADMIN = {"access": Access.ADMIN}
+MAX_SECTION_BYTES = 1 << 20
+
+
+@post("/models/{name:str}/load", status_code=200, summary="Load a model now and keep it resident", opt=ADMIN)
+async def load_model(name: str, request: Request[Any, Any, Any]) -> dict[str, Any]:
+    return (await runtime_of(request).load_model(name)).as_dict()
+
+
+@post("/models/{name:str}/unload", status_code=200, summary="Unload a model now and keep it out", opt=ADMIN)
+async def unload_model(name: str, request: Request[Any, Any, Any]) -> dict[str, Any]:
+    info, reports = await runtime_of(request).unload_model(name)
+    return {"model": info.as_dict(), "unloaded": [asdict(report) for report in reports]}
+
+
+@put("/models/{name:str}", summary="Add or change a model from its fleet-file section (JSON or YAML)", opt=ADMIN)
+async def put_model(name: str, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+    section = _section(await request.body(), request.headers.get("content-type", ""))
+    try:
+        outcome, info = await runtime_of(request).put_model(name, section)
+    except ConfigError as exc:
+        raise InputError(str(exc)) from None
+    return Response({"outcome": outcome, "model": info.as_dict()}, status_code=201 if outcome == "added" else 200)
+
+
+@delete("/models/{name:str}", status_code=200, summary="Remove a model: answer what it accepted, unload it", opt=ADMIN)
+async def delete_model(name: str, request: Request[Any, Any, Any]) -> dict[str, str]:
+    await runtime_of(request).delete_model(name)
+    return {"deleted": name}
+
+
+@post("/admin/reload", status_code=200, summary="Re-read the fleet file and apply the difference", opt=ADMIN)
+async def reload_fleet(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    try:
+        report = await runtime_of(request).reload()
+    except ConfigError as exc:
+        raise InputError(str(exc)) from None
+    return asdict(report)
+
+
+def _section(body: bytes, media_type: str) -> dict[str, Any]:
+    """A model's section from JSON or YAML (YAML is a superset: either parses)."""
+    if not body.strip():
+        raise InputError("the body is empty; send the model's fleet-file section, e.g. {\"plugin\": \"resnet\", ...}")
+    if len(body) > MAX_SECTION_BYTES:
+        raise InputError(f"a model's section is at most {MAX_SECTION_BYTES} bytes")
+    try:
+        data = json.loads(body) if "json" in media_type else yaml.safe_load(body)
+    except (ValueError, yaml.YAMLError) as exc:
+        raise InputError(f"the body is not valid {'JSON' if 'json' in media_type else 'YAML'}: {str(exc)[:200]}") from None
+    if not isinstance(data, dict):
+        raise InputError(f"a model's section must be a mapping like {{\"plugin\": ...}}, got {type(data).__name__}")
+    return data
+
+
+ADMIN_ROUTES = [load_model, unload_model, put_model, delete_model, reload_fleet]

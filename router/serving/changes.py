@@ -1,0 +1,297 @@
+"""Operators' changes to a serving fleet: load, unload, add, change and remove models, and
+re-read the fleet file, with nothing accepted lost.
+
+- `load`: load a model now and keep it resident until an operator unloads it.
+- `unload`: unload now, and keep it unloaded until an operator loads it (as Triton's explicit
+  model control); requests still queued are answered 503 with the reason.
+- `put` a model's section: a new model is added; a changed one (new weights, new options) is
+  loaded beside the old version when memory allows and swapped in, so no request fails; when it
+  does not fit, the old version finishes its work and unloads first, and new requests wait for
+  the new version. A new version that fails to load leaves (or brings back) the old one serving.
+- `delete`: new requests get 404; what was accepted is answered; then the model unloads.
+- `reload`: the difference between the fleet file and what serves, applied model by model.
+
+One change runs at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from router.config import FleetConfig, format_validation_error
+from router.errors import ConfigError, ModelDoesNotFit, ModelNotFound, ModelUnavailable
+from router.scheduling.queue import reject
+from router.scheduling.scheduler import DeviceScheduler
+from router.serving.deployment import Deployment
+from router.serving.fleet import Fleet, UnloadReport
+from router.serving.instance import InstanceState
+from router.serving.loading import load_instance
+from router.serving.plan import FleetPlan, load_plan, resolve_fleet
+from router.serving.registry import PluginRegistry
+
+__all__ = ["FleetChanges", "ReloadReport"]
+
+log = logging.getLogger("router.serving.changes")
+Builder = Callable[[str, FleetPlan, int], Deployment]
+#: How often a retiring model's remaining requests are looked at.
+POLL_S = 0.02
+
+
+@dataclass(frozen=True)
+class ReloadReport:
+    """What a reload of the fleet file changed."""
+
+    added: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+class FleetChanges:
+    """The admin verbs. They change `deployments` (shared with the runtime) and drive the fleet."""
+
+    def __init__(
+        self,
+        plan: FleetPlan,
+        deployments: MutableMapping[str, Deployment],
+        schedulers: Mapping[str, DeviceScheduler],
+        fleet: Fleet,
+        build: Builder,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.plan = plan
+        self._deployments = deployments
+        self._schedulers = schedulers
+        self._fleet = fleet
+        self._build = build
+        self._clock = clock
+        self._lock = asyncio.Lock()
+        self._generations = {name: 1 for name in deployments}
+
+    def _deployment(self, name: str) -> Deployment:
+        try:
+            return self._deployments[name]
+        except KeyError:
+            known = ", ".join(sorted(self._deployments)) or "none"
+            raise ModelNotFound(f"no model named {name!r}; models: {known}") from None
+
+    # -- load and unload ------------------------------------------------------------------------
+
+    async def load(self, name: str) -> None:
+        async with self._lock:
+            await self._load(self._deployment(name))
+
+    async def _load(self, deployment: Deployment) -> None:
+        """Ask residency to load every instance and keep it; wait until it serves or cannot."""
+        res = deployment.residency
+        res.held, res.held_down = True, False
+        res.load_error, res.never_fits, res.retry_at = None, None, 0.0
+        res.pulse()
+        self._fleet.notify(deployment)
+        limit = self._clock() + deployment.config.load_timeout_ms / 1000 * max(1, len(deployment.instances))
+        while not all(i.state in (InstanceState.READY, InstanceState.FENCED) for i in deployment.instances):
+            if res.never_fits is not None:
+                raise ModelDoesNotFit(res.never_fits)
+            if any(i.state is InstanceState.FAILED for i in deployment.instances) and not deployment.loading:
+                raise ModelUnavailable(f"model {deployment.name!r} failed to load: {deployment.error}")
+            if self._clock() > limit:
+                raise ModelUnavailable(f"model {deployment.name!r} did not load within its load_timeout_ms")
+            changed = res.changed
+            try:
+                await asyncio.wait_for(changed.wait(), 1.0)
+            except TimeoutError:
+                self._fleet.notify(deployment)
+
+    async def unload(self, name: str) -> list[UnloadReport]:
+        async with self._lock:
+            deployment = self._deployment(name)
+            res = deployment.residency
+            res.held, res.held_down = False, True
+            res.pulse()  # requests waiting for a load get 503 now
+            return await self._unload(deployment, "admin", "unloaded by an operator")
+
+    async def _unload(self, deployment: Deployment, kind: str, why: str) -> list[UnloadReport]:
+        while deployment.loading:  # a load in flight finishes first, then unloads
+            changed = deployment.residency.changed
+            await changed.wait()
+        loaded = [i for i in deployment.instances if i.loaded]
+        for instance in loaded:
+            deployment.residency.evictions[kind] += 1
+            self._fleet.telemetry.observe_eviction(deployment.name, instance.device, kind)
+        reports = await asyncio.gather(*(self._fleet.unload_instance(deployment, i, f"{kind}: {why}") for i in loaded))
+        for ticket in deployment.queue.withdraw_all():
+            reject(ticket, ModelUnavailable(f"model {deployment.name!r} was {why}", retry_after_s=5.0))
+        return list(reports)
+
+    # -- add, change, remove --------------------------------------------------------------------
+
+    async def put(self, name: str, section: Mapping[str, Any], source: str) -> str:
+        """Add or change one model from its fleet-file section. Returns added, changed or unchanged."""
+        async with self._lock:
+            plan = self._resolve(name, dict(section), source)
+            return await self._apply(name, plan)
+
+    async def delete(self, name: str) -> None:
+        async with self._lock:
+            deployment = self._deployments.pop(self._deployment(name).name)
+            self.plan = replace(self.plan, models={k: v for k, v in self.plan.models.items() if k != name},
+                                fleet=self.plan.fleet.model_copy(update={"models": {
+                                    k: v for k, v in self.plan.fleet.models.items() if k != name}}))
+            await self._retire(deployment, "removed", "removed from the fleet")
+
+    async def reload(self, path: Path) -> ReloadReport:
+        """Apply the difference between the fleet file and what serves."""
+        async with self._lock:
+            target = load_plan(path)
+            report = ReloadReport(warnings=self._device_warnings(target.fleet))
+            for name in sorted(set(self._deployments) - set(target.models)):
+                deployment = self._deployments.pop(name)
+                await self._retire(deployment, "removed", "removed from the fleet file")
+                report.removed.append(name)
+            self.plan = replace(self.plan, source=target.source, models={
+                k: v for k, v in self.plan.models.items() if k in target.models})
+            for name in target.models:
+                try:
+                    self._check_devices(name, target.fleet, target.source)
+                    plan = replace(self.plan, fleet=self.plan.fleet.model_copy(update={"models": {
+                        **self.plan.fleet.models, name: target.fleet.models[name]}}),
+                        models={**self.plan.models, name: target.models[name]})
+                    outcome = await self._apply(name, plan)
+                except Exception as exc:  # one model's failure never stops the others
+                    log.error("reload: model %s: %s", name, exc, extra={"model": name})
+                    report.errors[name] = str(exc)
+                    continue
+                getattr(report, outcome).append(name)
+            return report
+
+    def _device_warnings(self, fleet: FleetConfig) -> list[str]:
+        warnings = []
+        for device, config in fleet.devices.items():
+            current = self.plan.fleet.devices.get(device)
+            if current is None and device not in self._schedulers:
+                warnings.append(f"device {device} is new: add it with a restart")
+            elif current is not None and current != config:
+                warnings.append(f"device {device}'s settings changed: they take effect at the next restart")
+        return warnings
+
+    def _resolve(self, name: str, section: dict[str, Any], source: str) -> FleetPlan:
+        """Validate one model's section against the serving fleet's settings and resolve its plugin."""
+        fleet_data = self.plan.fleet.model_dump()
+        fleet_data["models"] = {**fleet_data["models"], name: section}
+        try:
+            fleet = FleetConfig.model_validate(fleet_data)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, source, FleetConfig)) from exc
+        self._check_devices(name, fleet, source)
+        subset = fleet.model_copy(update={"models": {name: fleet.models[name]}})
+        registry = PluginRegistry.from_entry_points(only={fleet.models[name].plugin})
+        resolved = resolve_fleet(subset, registry, source)
+        return replace(self.plan, fleet=fleet, models={**self.plan.models, **resolved.models})
+
+    def _check_devices(self, name: str, fleet: FleetConfig, source: str) -> None:
+        for device in fleet.models[name].instance_devices:
+            if device not in self._schedulers:
+                raise ConfigError(f"{source}: models.{name}: device {device} is not serving here "
+                                  "(devices start with the process: add it to the fleet file and restart)")
+
+    async def _apply(self, name: str, plan: FleetPlan) -> str:
+        current = self._deployments.get(name)
+        wanted = plan.models[name]
+        if current is not None and current.config == plan.fleet.models[name] and current.options == wanted.options:
+            return "unchanged"
+        self.plan = replace(self.plan, fleet=self.plan.fleet.model_copy(update={"models": {
+            **self.plan.fleet.models, name: plan.fleet.models[name]}}), models={**self.plan.models, name: wanted})
+        generation = self._generations.get(name, 0) + 1
+        self._generations[name] = generation
+        new = self._build(name, self.plan, generation)
+        self._attach(new)
+        if current is None:
+            self._deployments[name] = new
+            if not new.on_demand:
+                await self._load(new)
+                new.residency.held = False
+            log.info("model %s added", name, extra={"model": name})
+            return "added"
+        await self._replace(current, new)
+        log.info("model %s changed: generation %d serves", name, generation, extra={"model": name})
+        return "changed"
+
+    async def _replace(self, old: Deployment, new: Deployment) -> None:
+        """Swap in a new version with no request failing; fall back to the old one on failure."""
+        self._fleet.retire(old)
+        if any(i.loaded for i in old.instances) and not new.on_demand:
+            beside = await self._load_beside(new)
+            if beside is True:
+                self._deployments[new.name] = new
+                await self._retire(old, "replaced", "replaced by a new version")
+                return
+            if beside is not None:  # the new version failed; the old one never stopped serving
+                self._detach(new)
+                raise ModelUnavailable(f"the new version of model {new.name!r} failed to load ({beside}); "
+                                       "the old version keeps serving")
+        # No room beside the old version (or nothing to keep warm): the old one finishes and goes first.
+        self._deployments[new.name] = new
+        await self._retire(old, "replaced", "replaced by a new version", detach=False)
+        if new.on_demand:
+            self._detach(old)
+            return
+        try:
+            await self._load(new)
+            new.residency.held = False
+        except Exception as exc:
+            log.error("model %s: the new version failed to load (%s); bringing the old one back", new.name, exc,
+                      extra={"model": new.name})
+            self._deployments[new.name] = old
+            self._detach(new)
+            old.residency.held_down = False
+            await self._load(old)
+            old.residency.held = False
+            raise ModelUnavailable(f"the new version of model {new.name!r} failed to load ({exc}); "
+                                   "the old version serves again") from exc
+        self._detach(old)
+
+    async def _load_beside(self, new: Deployment) -> bool | str | None:
+        """Load the new version's instances while the old one serves. True when done, None when
+        there is no room beside the old one, else the error."""
+        for instance in new.instances:
+            scheduler = self._schedulers[instance.device]
+            ok = await load_instance(new, instance, scheduler, may_wait=True)
+            if ok:
+                continue
+            for loaded in (i for i in new.instances if i.loaded):
+                await self._fleet.unload_instance(new, loaded, "replaced: not enough room beside the old version")
+            if instance.state is InstanceState.UNLOADED:
+                return None
+            return instance.error or "load failed"
+        return True
+
+    async def _retire(self, deployment: Deployment, kind: str, why: str, *, detach: bool = True) -> None:
+        """Let a model that no longer takes requests answer what it accepted, then unload it."""
+        self._fleet.retire(deployment)
+        limit = self._clock() + (deployment.config.queue.timeout_ms + deployment.config.execution.timeout_ms) / 1000
+        while deployment.residency.holders > 0 and self._clock() < limit:
+            await asyncio.sleep(POLL_S)
+        await self._unload(deployment, kind, why)
+        if detach:
+            self._detach(deployment)
+
+    def _attach(self, deployment: Deployment) -> None:
+        for instance in deployment.instances:
+            self._schedulers[instance.device].attach(deployment, instance)
+
+    def _detach(self, deployment: Deployment) -> None:
+        for instance in deployment.instances:
+            scheduler = self._schedulers.get(instance.device)
+            if scheduler is not None:
+                scheduler.detach(instance)
+            self._fleet.forget(instance.key)

@@ -1,0 +1,264 @@
+"""The fleet: carries out residency. Loads and unloads instances at run time, for the device
+schedulers' residency plans (on-demand loads, evictions, idle unloads) and for operators.
+
+Each device scheduler decides *what* is resident (`router.scheduling.residency`); the fleet does
+it, in the background, and tells the scheduler when it is done. Loads are single-flight: an
+instance that is loading is never asked to load again. An unload stops new batches, waits for the
+running one, calls the plugin's `unload`, gives the memory back to the device (garbage
+collection, CUDA's cache, glibc's free lists), waits a bounded time to see it back in the probe,
+and only then releases the weights from the ledger; the bytes actually returned are logged and
+shown in `GET /models`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from router.errors import ModelDoesNotFit, ModelUnavailable
+from router.scheduling.scheduler import DeviceScheduler
+from router.serving.deployment import Deployment
+from router.serving.instance import InstanceState, ModelInstance
+from router.serving.loading import load_instance
+from router.serving.memory import give_back_memory
+from router.serving.telemetry import Telemetry
+
+__all__ = ["Fleet", "UnloadReport"]
+
+log = logging.getLogger("router.serving.fleet")
+#: How long an unload waits to see its memory back in the probe before releasing the ledger anyway.
+#: Giving memory back (process exit, CUDA's cache, glibc's trim) is synchronous; what has not come
+#: back by then stays with the framework or the allocator (still seen by the probe, so admission
+#: and residency count it).
+MEMORY_BACK_WAIT_S = 0.25
+#: The share of an instance's booked weights the probe must show returned to count as "back".
+MEMORY_BACK_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class UnloadReport:
+    model: str
+    instance: str
+    booked_bytes: int
+    returned_bytes: int | None  # seen in the probe; None without a probe
+
+
+class Fleet:
+    """Residency actions for every device scheduler, and the admin verbs behind them."""
+
+    def __init__(
+        self,
+        deployments: Mapping[str, Deployment],
+        schedulers: Mapping[str, DeviceScheduler],
+        telemetry: Telemetry,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._deployments = deployments
+        self._schedulers = schedulers
+        self.telemetry = telemetry
+        self._clock = clock
+        self._tasks: set[asyncio.Task[object]] = set()
+        self._retired: dict[str, tuple[Deployment, ModelInstance]] = {}  # old generations still draining
+
+    # -- lookups ------------------------------------------------------------------------------
+
+    def _find(self, key: str) -> tuple[Deployment, ModelInstance]:
+        for deployment in self._deployments.values():
+            for instance in deployment.instances:
+                if instance.key == key:
+                    return deployment, instance
+        if key in self._retired:
+            return self._retired[key]
+        raise KeyError(f"no instance {key!r}")
+
+    def retire(self, deployment: Deployment) -> None:
+        """Keep an old generation findable while it drains after being replaced or removed."""
+        for instance in deployment.instances:
+            self._retired[instance.key] = (deployment, instance)
+
+    def forget(self, key: str) -> None:
+        """An old generation's instance is gone for good."""
+        self._retired.pop(key, None)
+
+    def notify(self, deployment: Deployment) -> None:
+        """Wake the schedulers of the model's devices (its residency may need a decision)."""
+        for device in {i.device for i in deployment.instances}:
+            scheduler = self._schedulers.get(device)
+            if scheduler is not None:
+                scheduler.notify()
+
+    def _spawn(self, work: Coroutine[Any, Any, object], name: str) -> None:
+        task = asyncio.create_task(work, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- residency actions (called by the schedulers' step, on the event loop) ------------------
+
+    def start_load(self, runner_key: str) -> None:
+        deployment, instance = self._find(runner_key)
+        instance.begin_load()  # at once: the next plan sees it loading (single flight)
+        deployment.residency.load_started_at = self._clock()
+        self._spawn(self._load(deployment, instance), f"load-{runner_key}")
+
+    def start_unload(self, runner_key: str, kind: str, detail: str) -> None:
+        deployment, instance = self._find(runner_key)
+        instance.begin_drain()  # at once: no new batch for it
+        deployment.residency.evictions[kind] += 1
+        self.telemetry.observe_eviction(deployment.name, instance.device, kind)
+        self._spawn(self.unload_instance(deployment, instance, f"{kind}: {detail}"), f"unload-{runner_key}")
+
+    def cannot_load(self, runner_key: str, reason: str) -> None:
+        deployment, _ = self._find(runner_key)
+        if deployment.residency.never_fits is None:
+            log.error("%s", reason, extra={"model": deployment.name})
+            deployment.residency.never_fits = reason
+            deployment.residency.pulse()
+
+    # -- loading ------------------------------------------------------------------------------
+
+    async def _load(self, deployment: Deployment, instance: ModelInstance) -> None:
+        scheduler = self._schedulers[instance.device]
+        res = deployment.residency
+        started = self._clock()
+        try:
+            ok = await asyncio.wait_for(
+                load_instance(deployment, instance, scheduler, started=True, may_wait=True),
+                deployment.config.load_timeout_ms / 1000,
+            )
+        except TimeoutError:
+            ok = False
+            instance.fail(f"load exceeded load_timeout_ms={deployment.config.load_timeout_ms}")
+        seconds = self._clock() - started
+        res.load_started_at = None
+        if ok or instance.state is not InstanceState.UNLOADED:
+            self.telemetry.observe_load(deployment.name, instance.device, seconds, ok)
+        if ok:
+            res.loads += 1
+            res.cold_start_s = seconds
+            res.last_load_at = time.time()
+            res.load_error, res.retry_s = None, 2.0
+        elif instance.state is InstanceState.UNLOADED:  # sized now; waits for room
+            pass
+        elif isinstance(instance.cause, ModelDoesNotFit):  # sized now: it never fits here
+            res.never_fits = str(instance.cause)
+            res.load_error = instance.error
+        else:
+            res.load_failures += 1
+            res.load_error = instance.error
+            res.retry_at = self._clock() + res.retry_s
+            res.retry_s = min(60.0, res.retry_s * 2)
+        res.pulse()
+        scheduler.notify()
+
+    async def until_serving(self, deployment: Deployment, deadline: float) -> float:
+        """Wait until the model serves (a load is under way or will be planned), or raise: 503
+        with Retry-After when it cannot be in time, or why it cannot load. Returns the seconds
+        waited."""
+        res = deployment.residency
+        started = self._clock()
+        res.waiting.append(deadline)
+        self.notify(deployment)
+        try:
+            while not deployment.serving:
+                self.check_loadable(deployment)
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    raise ModelUnavailable(
+                        f"model {deployment.name!r} is still loading after {(self._clock() - started) * 1000:.0f} ms, "
+                        "past this request's deadline; retry shortly",
+                        retry_after_s=self._load_left_s(deployment),
+                    )
+                changed = res.changed
+                try:
+                    await asyncio.wait_for(changed.wait(), remaining)
+                except TimeoutError:
+                    continue
+        finally:
+            res.waiting.remove(deadline)
+        return self._clock() - started
+
+    def check_loadable(self, deployment: Deployment) -> None:
+        """Raise the 503 that answers a request for a model that cannot load now."""
+        res = deployment.residency
+        if res.never_fits is not None:
+            raise ModelDoesNotFit(res.never_fits)
+        if res.held_down:
+            raise ModelUnavailable(
+                f"model {deployment.name!r} was unloaded by an operator; load it with POST /models/{deployment.name}/load",
+                retry_after_s=30.0,
+            )
+        if res.load_error is not None and not deployment.loading and self._clock() < res.retry_at:
+            raise ModelUnavailable(f"model {deployment.name!r} failed to load: {res.load_error}",
+                                   retry_after_s=res.retry_at - self._clock())
+
+    def _load_left_s(self, deployment: Deployment) -> float:
+        res = deployment.residency
+        expected = res.cold_start_s or 1.0
+        if res.load_started_at is None:
+            return expected
+        return max(1.0, res.load_started_at + expected - self._clock())
+
+    # -- unloading ----------------------------------------------------------------------------
+
+    async def unload_instance(self, deployment: Deployment, instance: ModelInstance, why: str) -> UnloadReport:
+        """Drain (if not yet), wait for the running batch, unload, give the memory back, release
+        the ledger once the probe shows it back (or after a bounded wait)."""
+        scheduler = self._schedulers.get(instance.device)
+        if instance.state is InstanceState.READY or instance.state is InstanceState.FENCED:
+            instance.begin_drain()
+        await instance.until_batch_done()
+        await instance.wait_idle()  # a stalled batch's thread too
+        booked = instance.estimate.weights_bytes if instance.estimate else 0
+        before = scheduler.read_now() if scheduler is not None else None
+        instance.begin_unload()
+        try:
+            await instance.call(instance.plugin.unload)
+            await instance.call(give_back_memory, instance.device)
+        except Exception as exc:
+            log.exception("model %s instance %d: unload raised", deployment.name, instance.index,
+                          extra={"model": deployment.name})
+            if scheduler is not None:
+                scheduler.release_weights(instance)
+            instance.fail(f"unload raised {type(exc).__name__}: {exc}")
+            deployment.residency.pulse()
+            raise
+        returned = await self._memory_back(scheduler, before, booked) if scheduler is not None else None
+        if scheduler is not None:
+            scheduler.release_weights(instance)
+        instance.mark_unloaded()
+        deployment.residency.last_unload_returned_bytes = returned
+        log.info("model %s instance %d unloaded from %s (%s): %s of %d booked bytes returned", deployment.name,
+                 instance.index, instance.device, why, "unmeasured" if returned is None else returned, booked,
+                 extra={"model": deployment.name, "booked_bytes": booked, "returned_bytes": returned})
+        deployment.residency.pulse()
+        if scheduler is not None:
+            scheduler.notify()
+        return UnloadReport(deployment.name, instance.key, booked, returned)
+
+    async def _memory_back(self, scheduler: DeviceScheduler, before: int | None, booked: int) -> int | None:
+        """Bytes the probe shows returned, waiting up to MEMORY_BACK_WAIT_S for most of `booked`."""
+        if before is None:
+            return None
+        waited, step = 0.0, scheduler.config.poll_interval_ms / 1000
+        while True:
+            now = scheduler.read_now()
+            if now is None:
+                return None
+            returned = before - now
+            if returned >= MEMORY_BACK_SHARE * booked or waited >= MEMORY_BACK_WAIT_S:
+                if returned < MEMORY_BACK_SHARE * booked:
+                    log.info("device %s: %d of %d booked bytes came back within %.2f s of an unload; the rest "
+                             "stays with the framework or the allocator", scheduler.device, max(0, returned), booked,
+                             MEMORY_BACK_WAIT_S)
+                return max(0, returned)
+            await asyncio.sleep(step)
+            waited += step
