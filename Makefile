@@ -35,8 +35,8 @@ $(VENV)/.torch: | $(BIN)/python
 	touch $@
 
 $(VENV)/.serve: $(VENV)/.torch pyproject.toml plugins/yolo/pyproject.toml plugins/resnet/pyproject.toml \
-		plugins/onnx/pyproject.toml plugins/tensorrt/pyproject.toml
-	$(PIP) install --quiet -e . -e plugins/yolo -e plugins/resnet -e plugins/onnx -e plugins/tensorrt
+		plugins/engines/pyproject.toml plugins/onnx/pyproject.toml plugins/tensorrt/pyproject.toml
+	$(PIP) install --quiet -e . -e plugins/yolo -e plugins/resnet -e plugins/engines -e plugins/onnx -e plugins/tensorrt
 	touch $@
 
 $(VENV)/.test: $(VENV)/.serve tests/plugin_dist/pyproject.toml
