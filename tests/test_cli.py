@@ -36,7 +36,7 @@ def test_plugins_lists_plugins_exporters_and_demo_files_and_exits_zero() -> None
 
     assert done.returncode == 0, done.stdout + done.stderr
     names = [line.split("\t")[0] for line in done.stdout.splitlines()]
-    assert {"yolo", "resnet", "onnx", "tensorrt", "toy", "scripted"} <= set(names)
+    assert {"yolo", "resnet", "onnx", "tensorrt", "toy", "scripted", "mean-colour"} <= set(names)
     assert {"exporter onnx", "exporter tensorrt", "demo file yolov8n", "demo file resnet18"} <= set(names)
     assert "BROKEN" not in done.stdout
 

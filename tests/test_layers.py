@@ -25,7 +25,7 @@ def test_no_import_cycles() -> None:
     import grimp
 
     packages = ["router", "model_router_yolo", "model_router_resnet", "model_router_engines", "model_router_onnx",
-                "model_router_tensorrt", "router_testkit"]
+                "model_router_tensorrt", "router_testkit", "mean_colour"]
     graph = grimp.build_graph(*packages, exclude_type_checking_imports=True)
     cycles = []
     for module in sorted(graph.modules):
