@@ -35,12 +35,13 @@ $(VENV)/.torch: | $(BIN)/python
 	touch $@
 
 $(VENV)/.serve: $(VENV)/.torch pyproject.toml plugins/yolo/pyproject.toml plugins/resnet/pyproject.toml \
-		plugins/onnx/pyproject.toml plugins/tensorrt/pyproject.toml
-	$(PIP) install --quiet -e . -e plugins/yolo -e plugins/resnet -e plugins/onnx -e plugins/tensorrt
+		plugins/engines/pyproject.toml plugins/onnx/pyproject.toml plugins/tensorrt/pyproject.toml
+	$(PIP) install --quiet -e . -e plugins/yolo -e plugins/resnet -e plugins/engines -e plugins/onnx -e plugins/tensorrt
 	touch $@
 
-$(VENV)/.test: $(VENV)/.serve tests/plugin_dist/pyproject.toml
-	$(PIP) install --quiet -e '.[test]' -e tests/plugin_dist
+# The test kit's plugins and the example plugin of docs/plugins.md, each its own distribution.
+$(VENV)/.test: $(VENV)/.serve tests/plugin_dist/pyproject.toml examples/plugin-mean-colour/pyproject.toml
+	$(PIP) install --quiet -e '.[test]' -e tests/plugin_dist -e examples/plugin-mean-colour
 	touch $@
 
 # Bench-only dependencies: the LitServe contender (it brings FastAPI, which the single-queue

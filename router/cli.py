@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -83,12 +82,28 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
+    """Every entry point the router reads: model plugins, exporters, demo files. Exit 1 if any is broken."""
+    from router.exporting import installed_exporters
+    from router.store import demo_files
+
     registry = PluginRegistry.from_entry_points()
     for name in registry.names():
         info = registry.get(name)
         print(f"{name}\t{info.distribution or '-'} {info.version or ''}\t{info.cls.__module__}.{info.cls.__qualname__}")
-    for name, reason in registry.broken.items():
+    broken = dict(registry.broken)
+    exporters, demos = installed_exporters(), demo_files()
+    for name, exporter in sorted(exporters.entries.items()):
+        cls = type(exporter.target)
+        print(f"exporter {name}\t{exporter.distribution or '-'} {exporter.version or ''}\t{cls.__module__}.{cls.__qualname__}")
+    for name, demo in sorted(demos.entries.items()):
+        print(f"demo file {name}\t{demo.distribution or '-'} {demo.version or ''}\t{demo.target.name}")
+    broken |= {f"exporter {name}": reason for name, reason in exporters.broken.items()}
+    broken |= {f"demo file {name}": reason for name, reason in demos.broken.items()}
+    for name, reason in sorted(broken.items()):
         print(f"{name}\tBROKEN\t{reason}")
+    if broken:
+        print(f"model-router: {len(broken)} broken entry point(s): {', '.join(sorted(broken))}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -106,25 +121,35 @@ def cmd_store_init_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    """Export a fleet model to ONNX (and a TensorRT engine); the work lives in the onnx plugin package."""
-    try:  # an optional plugin package: the core works without it
-        exporter = importlib.import_module("model_router_onnx.export")
-    except ImportError as exc:
-        print(f"model-router: export needs the onnx plugin: pip install -e plugins/onnx (model-router-onnx); {exc}",
-              file=sys.stderr)
+    """Export a fleet model (or convert an exported file) with the exporters the plugins declare."""
+    from router.exporting import installed_exporters, plan_export, run_export, source_model
+    from router.sdk.exporter import ExportError
+
+    if args.model is None and args.from_file is None:
+        print("model-router: export needs --model (a model of the fleet) or --from (an exported file)", file=sys.stderr)
+        return 2
+    try:
+        steps = plan_export(installed_exporters(), args.format, from_file=args.from_file is not None)
+    except ExportError as exc:
+        print(f"model-router: {exc}", file=sys.stderr)
         return 1
     try:
-        plan = build_plan(args.config)
+        source = None if args.from_file is not None else source_model(build_plan(args.config), args.model)
     except ConfigError as exc:
         print(f"model-router: {exc}", file=sys.stderr)
         return 2
+    except ExportError as exc:
+        print(f"model-router: {exc}", file=sys.stderr)
+        return 1
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    model = args.model or Path(args.from_file).stem
     try:
-        paths = exporter.export_model(plan, args.model, fmt=args.format, fp16=args.fp16, out=args.out, progress=progress)
-    except exporter.ExportError as exc:
+        paths = run_export(steps, model=model, source=source, input_file=args.from_file, out=args.out, fp16=args.fp16,
+                           device=args.device, progress=progress)
+    except ExportError as exc:
         print(f"model-router: {exc}", file=sys.stderr)
         return 1
     for path in paths:
@@ -169,7 +194,7 @@ def parser() -> argparse.ArgumentParser:
     target.add_argument("--pid", type=int, help="send SIGHUP to this process instead")
     reload.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the reload")
     reload.set_defaults(func=cmd_reload)
-    plugins = sub.add_parser("plugins", help="list installed plugins")
+    plugins = sub.add_parser("plugins", help="list installed plugins, exporters and demo files (exit 1 if any is broken)")
     plugins.set_defaults(func=cmd_plugins)
     store = sub.add_parser("store", help="model store tasks")
     store_sub = store.add_subparsers(dest="store_command", required=True)
@@ -179,11 +204,16 @@ def parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_store_init_demo)
     export = sub.add_parser("export", help="export a fleet model to ONNX, and to TensorRT where available")
     export.add_argument("--config", type=Path, default=Path(os.environ.get("MODEL_ROUTER_CONFIG", "config/fleet.yaml")))
-    export.add_argument("--model", required=True, help="a model of the fleet (plugin yolo or resnet)")
-    export.add_argument("--format", choices=("auto", "onnx", "tensorrt"), default="auto",
-                        help="auto: ONNX, plus an engine where TensorRT and a GPU are present")
+    export.add_argument("--model", help="a model of the fleet (plugin yolo or resnet)")
+    export.add_argument("--from", dest="from_file", type=Path,
+                        help="build from this exported file instead of a fleet model, e.g. --from M.onnx --format tensorrt")
+    export.add_argument("--format", default="auto",
+                        help="an installed exporter's format (onnx, tensorrt) or auto: ONNX, plus an engine where "
+                             "TensorRT and a GPU are present")
     export.add_argument("--fp16", action="store_true", help="build the TensorRT engine with fp16 kernels")
-    export.add_argument("--out", type=Path, help="ONNX path (default: MODEL_STORE/MODEL.onnx); the engine goes beside it")
+    export.add_argument("--device", default="cuda:0", help="the GPU an engine is built and checked on (default cuda:0)")
+    export.add_argument("--out", type=Path, help="path of the first file written (default: MODEL_STORE/MODEL.onnx); "
+                                                 "an engine goes beside the ONNX file")
     export.set_defaults(func=cmd_export)
     return root
 

@@ -23,6 +23,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from router.devices import check_device_name
 from router.errors import ConfigError
 
 __all__ = [
@@ -39,14 +40,8 @@ __all__ = [
     "load_fleet",
 ]
 
-DEVICE_PATTERN = re.compile(r"^(cpu|cuda:\d+)$")
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 SECRET_KEYS = {"api_keys", "admin_keys"}
-
-
-def check_device_name(name: str) -> None:
-    if not DEVICE_PATTERN.match(name):
-        raise ValueError(f"device {name!r} is not valid; accepted: 'cpu' or 'cuda:N'")
 
 
 class _Strict(BaseModel):

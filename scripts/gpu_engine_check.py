@@ -66,7 +66,8 @@ def export_models(store: Path, out: Path) -> tuple[list[Row], dict[str, str]]:
                                 text=True, timeout=420)
         (out / f"export-{model}.log").write_text(result.stderr, encoding="utf-8")
         seconds = f"{time.perf_counter() - started:.0f} s"
-        checks = [line.strip() for line in result.stderr.splitlines() if "vs PyTorch" in line]
+        # "onnxruntime vs PyTorch at batch N: ..." and "tensorrt vs onnxruntime at batch N: ..."
+        checks = [line.strip() for line in result.stderr.splitlines() if " vs " in line and " at batch " in line]
         onnx_ok = result.returncode == 0 and (store / f"{model}.onnx").is_file()
         rows.append(Row(f"export {model} -> ONNX", "pass" if onnx_ok else "FAIL",
                         "; ".join(c for c in checks if c.startswith("onnxruntime")) or result.stderr[-300:]))

@@ -6,13 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from router.cli import main
 from router.config import BatchPolicy, DeviceConfig, QueueConfig, ServerSettings, load_fleet
 from router.errors import ConfigError
-from router.serving.plan import resolve_fleet
+from router.serving.plan import option_keys, resolve_fleet
 from router.serving.registry import PluginRegistry
+from tests.test_registry import EchoPlugin
 
 MINIMAL = "models:\n  m:\n    plugin: scripted\n"
 
@@ -253,3 +254,52 @@ def test_server_settings_reject_bad_port(monkeypatch: pytest.MonkeyPatch) -> Non
 
     with pytest.raises(ValidationError, match="port"):
         ServerSettings()
+
+
+class LaxOptions(BaseModel):
+    """Options without extra="forbid": pydantic alone would drop an unknown key without a word."""
+
+    size: int = 1
+    label: str = Field("x", alias="name")
+
+
+class LaxPlugin(EchoPlugin):
+    Options = LaxOptions
+
+
+def lax_registry() -> PluginRegistry:
+    registry = PluginRegistry()
+    registry.register("lax", LaxPlugin)
+    return registry
+
+
+def test_unknown_option_keys_are_refused_whatever_the_options_model_says(tmp_path: Path) -> None:
+    path = write(tmp_path, "models:\n  m:\n    plugin: lax\n    options: {size: 2, szie: 3}\n")
+
+    with pytest.raises(ConfigError) as error:
+        resolve_fleet(load_fleet(path), lax_registry(), str(path))
+
+    assert str(error.value).splitlines() == [
+        f"{path}: invalid configuration (1 problem(s))",
+        f"  {path}: models.m.options.szie: unknown key; accepted: size, name (got 3)",
+    ]
+
+
+def test_unknown_option_keys_are_reported_with_the_other_option_errors(tmp_path: Path) -> None:
+    path = write(tmp_path, MINIMAL + "    options: {fixed_ms: -1, fixed_sm: 5}\n")
+
+    lines = plan_error(path).splitlines()
+
+    assert lines[0].endswith("invalid configuration (2 problem(s))")
+    unknown = [line for line in lines if "models.m.options.fixed_sm: unknown key; accepted: fixed_ms, per_item_ms," in line]
+    assert len(unknown) == 1 and unknown[0].endswith("(got 5)"), lines
+    assert any("models.m.options.fixed_ms: Input should be greater than or equal to 0 (got -1)" in line for line in lines)
+
+
+def test_option_aliases_are_the_keys_the_options_model_reads(tmp_path: Path) -> None:
+    path = write(tmp_path, "models:\n  m:\n    plugin: lax\n    options: {name: y}\n")
+    assert option_keys(LaxOptions) == ["size", "name"]
+
+    plan = resolve_fleet(load_fleet(path), lax_registry(), str(path))
+
+    assert plan.models["m"].options == LaxOptions(size=1, name="y")

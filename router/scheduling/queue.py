@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,13 +155,10 @@ class ModelQueue:
             self.withdraw(ticket)
         return tickets
 
-    def take(self, n: int, now: float) -> list[Ticket]:
-        """Dispatch up to n tickets: highest priority first, oldest first within a level."""
-        return self.take_viable(n, now, 0.0)[0]
-
     def take_viable(self, n: int, now: float, horizon_s: float) -> tuple[list[Ticket], list[Ticket]]:
-        """Like `take`, but tickets whose deadline falls before `now + horizon_s` (the batch would
-        finish too late for them) are withdrawn instead and returned second, to be answered 504."""
+        """Dispatch up to n tickets: highest priority first, oldest first within a level. Tickets whose
+        deadline falls before `now + horizon_s` (the batch would finish too late for them) are
+        withdrawn instead and returned second, to be answered 504."""
         batch: list[Ticket] = []
         doomed: list[Ticket] = []
         for level in reversed(self._levels):
@@ -210,13 +206,6 @@ class ModelQueue:
         if not rate:
             return 1.0
         return min(60.0, max(1.0, self.occupancy / rate))
-
-    def __iter__(self) -> Iterator[Ticket]:
-        """Live tickets in dispatch order (for inspection and shutdown)."""
-        for level in reversed(self._levels):
-            for ticket in level:
-                if ticket.state is TicketState.QUEUED:
-                    yield ticket
 
     def _drop_dead_head(self, level: deque[Ticket]) -> None:
         while level and level[0].state is not TicketState.QUEUED:

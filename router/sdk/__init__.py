@@ -3,22 +3,36 @@
     from router.sdk import InputError, MemoryEstimate, ModelPlugin, Payload, PluginContext, decode_image
 
 See docs/plugins.md for the contract: which thread runs each hook, the memory estimate, warm-up,
-what KServe V2 hands to `preprocess`, and the errors to raise. `activation_bytes` and
-`tensor_bytes` (torch helpers for memory estimates) import torch only when first used.
+what KServe V2 hands to `preprocess`, and the errors to raise. Besides model plugins, the SDK
+holds the two other kinds of entry point a plugin distribution may declare: exporters
+(`Exporter`, for `model-router export`) and demo files (`DemoFile`, for `model-router store
+init-demo`). Importing it never imports torch: `activation_bytes` and `tensor_bytes` (torch
+helpers for memory estimates) load it when first used, the demo helpers when called.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from router.devices import device_index, require_cuda_for_half
 from router.errors import DeviceOutOfMemory, InputError, PayloadTooLarge, UnsupportedMediaType
+from router.sdk.demo import DEMO_FILES_GROUP, DemoFile, calibrate_batchnorm, synthetic_images
+from router.sdk.exporter import EXPORTERS_GROUP, Exporter, ExportError, ExportJob, Progress, SourceModel
+from router.sdk.files import partial_file
 from router.sdk.images import ACCEPTED_MEDIA_TYPES, DEFAULT_MAX_PIXELS, decode_image, example_jpeg, image_size
-from router.sdk.plugin import MemoryEstimate, ModelPlugin, NoOptions, Payload, PluginContext
+from router.sdk.plugin import PLUGINS_GROUP, MemoryEstimate, ModelPlugin, NoOptions, Payload, PluginContext
 
 __all__ = [
     "ACCEPTED_MEDIA_TYPES",
     "DEFAULT_MAX_PIXELS",
+    "DEMO_FILES_GROUP",
+    "EXPORTERS_GROUP",
+    "PLUGINS_GROUP",
+    "DemoFile",
     "DeviceOutOfMemory",
+    "ExportError",
+    "ExportJob",
+    "Exporter",
     "InputError",
     "MemoryEstimate",
     "ModelPlugin",
@@ -26,11 +40,18 @@ __all__ = [
     "Payload",
     "PayloadTooLarge",
     "PluginContext",
+    "Progress",
+    "SourceModel",
     "UnsupportedMediaType",
     "activation_bytes",
+    "calibrate_batchnorm",
     "decode_image",
+    "device_index",
     "example_jpeg",
     "image_size",
+    "partial_file",
+    "require_cuda_for_half",
+    "synthetic_images",
     "tensor_bytes",
 ]
 

@@ -19,12 +19,17 @@ from typing import Any, ClassVar, Generic, TypeVar
 from pydantic import BaseModel, ConfigDict
 
 __all__ = [
+    "PLUGINS_GROUP",
     "MemoryEstimate",
     "ModelPlugin",
     "NoOptions",
     "Payload",
     "PluginContext",
 ]
+
+
+#: The entry-point group model plugins are declared under.
+PLUGINS_GROUP = "model_router.plugins"
 
 
 class NoOptions(BaseModel):

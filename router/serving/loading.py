@@ -15,7 +15,7 @@ from router.serving.deployment import Deployment
 from router.serving.instance import ModelInstance
 from router.serving.profiling import apply_declared, max_batch_within, profile_cuda, profile_sizes
 
-__all__ = ["load_deployment", "load_instance"]
+__all__ = ["load_deployment", "load_instance", "warmup_sizes"]
 
 log = logging.getLogger("router.serving.loading")
 
@@ -94,13 +94,9 @@ async def _load_instance(deployment: Deployment, instance: ModelInstance, schedu
         if instance.last_estimate is None:
             instance.last_estimate = estimate  # sizes residency's plans from now on, loaded or not
         scheduler.check_fits(deployment, estimate)  # before warming up: no room means no warm-up wasted
-        estimate = await _warm_up(deployment, instance, estimate)
-    limit = max_batch_within(estimate, deployment.budget_bytes, config.batch.max_size)
-    if limit < 1:
-        raise ModelDoesNotFit(
-            f"model {name!r} needs {estimate.weights_bytes} bytes of weights plus "
-            f"{estimate.batch_bytes(1)} for one input (+20% margin), over its budget of {deployment.budget_bytes}"
-        )
+        # Warm-up batches are batches: capped by the budget like any other, before the first one runs.
+        estimate = await _warm_up(deployment, instance, estimate, _batch_cap(deployment, estimate))
+    limit = _batch_cap(deployment, estimate)  # profiling may have changed the figures
     scheduler.check_fits(deployment, estimate)
     if config.warmup.enabled and reload is None:
         await _time_batches(deployment, instance, sorted({1, limit}))
@@ -146,22 +142,40 @@ async def _time_batches(deployment: Deployment, instance: ModelInstance, sizes: 
                  ", ".join(f"{n}: {s * 1000:.1f} ms" for n, s in timings), extra={"model": deployment.name})
 
 
-async def _warm_up(deployment: Deployment, instance: ModelInstance, estimate: MemoryEstimate) -> MemoryEstimate:
-    """Warm up with progress lines; on CUDA, profile peak memory per batch size."""
+def _batch_cap(deployment: Deployment, estimate: MemoryEstimate) -> int:
+    """The largest batch the model's budget allows with the 20% margin; ModelDoesNotFit below one."""
+    limit = max_batch_within(estimate, deployment.budget_bytes, deployment.config.batch.max_size)
+    if limit < 1:
+        raise ModelDoesNotFit(
+            f"model {deployment.name!r} needs {estimate.weights_bytes} bytes of weights plus "
+            f"{estimate.batch_bytes(1)} for one input (+20% margin), over its budget of {deployment.budget_bytes}"
+        )
+    return limit
+
+
+def warmup_sizes(configured: list[int] | None, max_size: int, cap: int) -> list[int]:
+    """The warm-up batch sizes (default 1 and batch.max_size), none above the budget's cap."""
+    return sorted({min(size, cap) for size in (configured or [1, max_size])})
+
+
+async def _warm_up(deployment: Deployment, instance: ModelInstance, estimate: MemoryEstimate, cap: int) -> MemoryEstimate:
+    """Warm up with progress lines, at batch sizes within `cap`; on CUDA, profile peak memory per batch size."""
     config, name, plugin = deployment.config, deployment.name, instance.plugin
     if not config.warmup.enabled:
         return estimate
+    if cap < config.batch.max_size:
+        log.info("model %s: warm-up batches capped at %d by the memory budget", name, cap, extra={"model": name})
     profile = config.memory.profile and type(plugin).torch_memory and estimate.source != "declared"
     if instance.device.startswith("cuda") and profile:
 
         def progress(step: int, total: int, size: int) -> None:
             log.info("model %s: profiling memory %d/%d (batch %d)", name, step, total, size, extra={"model": name})
 
-        sizes = profile_sizes(config.batch.max_size)
+        sizes = profile_sizes(cap)
         profiled = await instance.call(profile_cuda, plugin, instance.device, estimate.weights_bytes, sizes, progress)
         if profiled is not None:
             return profiled
-    sizes = config.warmup.batch_sizes or sorted({1, config.batch.max_size})
+    sizes = warmup_sizes(config.warmup.batch_sizes, config.batch.max_size, cap)
     for step, size in enumerate(sizes, start=1):
         log.info("model %s: warm-up %d/%d (batch %d)", name, step, len(sizes), size, extra={"model": name})
         await instance.call(plugin.warmup, size)

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import AliasChoices, BaseModel, ValidationError
 
 from router.config import FleetConfig, format_validation_error, load_fleet
 from router.errors import ConfigError, UnknownPlugin
 from router.serving.registry import PluginInfo, PluginRegistry
 
-__all__ = ["FleetPlan", "ModelPlan", "load_plan", "resolve_fleet"]
+__all__ = ["FleetPlan", "ModelPlan", "load_plan", "option_keys", "resolve_fleet"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,24 @@ class FleetPlan:
         }
 
 
+def option_keys(schema: type[BaseModel]) -> list[str]:
+    """The keys an options model reads, in declaration order: field names and their string aliases.
+    Any other key is refused for every plugin, whatever its `model_config` says about extra keys:
+    a misspelt option must never be dropped silently."""
+    config = schema.model_config
+    by_name = bool(config.get("populate_by_name") or config.get("validate_by_name"))
+    keys: dict[str, None] = {}
+    for field_name, field in schema.model_fields.items():
+        if by_name or (field.alias is None and field.validation_alias is None):
+            keys[field_name] = None
+        for alias in (field.alias, field.validation_alias):
+            if isinstance(alias, str):
+                keys[alias] = None
+            elif isinstance(alias, AliasChoices):
+                keys.update((choice, None) for choice in alias.choices if isinstance(choice, str))
+    return list(keys)
+
+
 def resolve_fleet(fleet: FleetConfig, registry: PluginRegistry, source: str = "fleet") -> FleetPlan:
     """Match each model to its plugin and validate its options. All problems are reported together."""
     problems: list[str] = []
@@ -68,13 +86,22 @@ def resolve_fleet(fleet: FleetConfig, registry: PluginRegistry, source: str = "f
         except UnknownPlugin as exc:
             problems.append(f"  {source}: models.{name}.plugin: {exc.message} (got {config.plugin!r})")
             continue
+        schema = info.cls.Options
+        accepted = option_keys(schema)
+        unknown = [key for key in config.options if key not in accepted]
+        problems.extend(
+            f"  {source}: models.{name}.options.{key}: unknown key; accepted: {', '.join(accepted) or 'none'}"
+            f" (got {config.options[key]!r})"
+            for key in unknown
+        )
         try:
-            options = info.cls.Options.model_validate(config.options)
+            options = schema.model_validate({k: v for k, v in config.options.items() if k in accepted})
         except ValidationError as exc:
-            detail = format_validation_error(exc, source, info.cls.Options).splitlines()[1:]
+            detail = format_validation_error(exc, source, schema).splitlines()[1:]
             problems.extend(line.replace(f"{source}: ", f"{source}: models.{name}.options.", 1) for line in detail)
             continue
-        models[name] = ModelPlan(name, info, options)
+        if not unknown:
+            models[name] = ModelPlan(name, info, options)
     if problems:
         raise ConfigError("\n".join([f"{source}: invalid configuration ({len(problems)} problem(s))", *problems]))
     return FleetPlan(source, fleet, models)

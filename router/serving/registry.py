@@ -1,20 +1,68 @@
-"""Plugin discovery through entry points, validated when a plugin registers."""
+"""Discovery through entry points: model plugins (validated when they register), and the
+generic group loader that exporters and demo files are found with too."""
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from typing import Generic, TypeVar
 
 from pydantic import BaseModel
 
 from router.errors import PluginValidationError, UnknownPlugin
-from router.sdk.plugin import ModelPlugin
+from router.sdk.plugin import PLUGINS_GROUP, ModelPlugin
 
-__all__ = ["ENTRY_POINT_GROUP", "PluginInfo", "PluginRegistry"]
+__all__ = ["ENTRY_POINT_GROUP", "Discovered", "Entry", "PluginInfo", "PluginRegistry", "discover"]
 
-ENTRY_POINT_GROUP = "model_router.plugins"
+ENTRY_POINT_GROUP = PLUGINS_GROUP
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Entry(Generic[T]):
+    """One entry point's target, checked, and the distribution that declared it."""
+
+    name: str
+    target: T
+    distribution: str | None = None
+    version: str | None = None
+
+
+@dataclass
+class Discovered(Generic[T]):
+    """What an entry-point group holds: targets that loaded and passed their check, by name; the
+    broken ones with their error; and every name seen, imported or not."""
+
+    entries: dict[str, Entry[T]] = field(default_factory=dict)
+    broken: dict[str, str] = field(default_factory=dict)
+    names: set[str] = field(default_factory=set)
+
+
+def discover(group: str, check: Callable[[str, object], T], *, only: Collection[str] | None = None) -> Discovered[T]:
+    """Load the group's entry points (those named in `only`, or all) and check each target.
+
+    `check(name, target)` returns the target as T or raises (PluginValidationError with the reason).
+    An entry point that fails to import or to pass is recorded as broken: one bad third-party
+    package must not stop the others.
+    """
+    found: Discovered[T] = Discovered()
+    for point in entry_points(group=group):
+        found.names.add(point.name)
+        if only is not None and point.name not in only:
+            continue
+        dist = getattr(point, "dist", None)
+        try:
+            target = check(point.name, point.load())
+        except PluginValidationError as exc:
+            found.broken[point.name] = str(exc)
+        except Exception as exc:
+            found.broken[point.name] = f"{type(exc).__name__}: {exc}"
+        else:
+            found.entries[point.name] = Entry(point.name, target, dist.name if dist else None,
+                                              dist.version if dist else None)
+    return found
 
 
 @dataclass(frozen=True)
@@ -42,23 +90,14 @@ class PluginRegistry:
         return registry
 
     def load_entry_points(self, group: str = ENTRY_POINT_GROUP, *, only: Collection[str] | None = None) -> None:
-        for point in entry_points(group=group):
-            self._discovered.add(point.name)
-            if only is not None and point.name not in only:
-                continue
-            dist = getattr(point, "dist", None)
+        found = discover(group, _plugin_class, only=only)
+        self._discovered |= found.names
+        self._broken.update(found.broken)
+        for name, entry in found.entries.items():
             try:
-                target = point.load()
-                self.register(
-                    point.name,
-                    target,
-                    distribution=dist.name if dist else None,
-                    version=dist.version if dist else None,
-                )
-            except PluginValidationError as exc:
-                self._broken[point.name] = str(exc)
-            except Exception as exc:  # an import error in a third-party package must not stop the others
-                self._broken[point.name] = f"{type(exc).__name__}: {exc}"
+                self.register(name, entry.target, distribution=entry.distribution, version=entry.version)
+            except PluginValidationError as exc:  # a name already taken by another class
+                self._broken[name] = str(exc)
 
     def register(
         self,
@@ -95,6 +134,11 @@ class PluginRegistry:
     @property
     def broken(self) -> dict[str, str]:
         return dict(self._broken)
+
+
+def _plugin_class(name: str, target: object) -> type[ModelPlugin]:  # type: ignore[type-arg]
+    validate_plugin_class(name, target)
+    return target  # type: ignore[return-value]  # checked above
 
 
 def validate_plugin_class(name: str, target: object) -> None:

@@ -57,8 +57,13 @@ def test_a_full_queue_refuses_before_the_body_arrives(tmp_path: Path) -> None:
         workers = [threading.Thread(target=send, args=(i,)) for i in range(2)]
         for worker in workers:
             worker.start()
-            time.sleep(0.2)
-        delay, reply = _headers_only(server.url, "/models/slow/predict", 50_000_000)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # one running, one queued: the queue of one is full
+            model = httpx.get(f"{server.url}/models/slow").json()
+            if model["queue"]["depth"] == 1 and model["instances"][0]["busy"]:
+                break
+            time.sleep(0.01)
+        delay, reply = _headers_only(server.url, "/models/slow/predict", 10_000_000)  # under the body limit
         for worker in workers:
             worker.join()
         metrics = httpx.get(f"{server.url}/metrics").text

@@ -8,14 +8,20 @@ import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from router.config import FleetConfig
 from router.sdk.plugin import Payload
+from router.serving.plan import FleetPlan, resolve_fleet
+from router.serving.registry import PluginRegistry
 from router.store import init_demo
+
+if TYPE_CHECKING:
+    from model_router_onnx.export import OnnxExport
 
 # The reference calls import ultralytics directly; keep its import-time connectivity probe off too.
 os.environ.setdefault("YOLO_OFFLINE", "1")
@@ -70,6 +76,45 @@ def demo_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert attempts == [], f"init_demo tried to reach the network: {attempts}"
     assert {p.name for p in built} == {"yolov8n.pt", "resnet18.pt"}
     return store
+
+
+#: The detector the ONNX tests export: a small input and a low threshold, so there are many boxes to compare.
+YOLO_EXPORT_OPTIONS: dict[str, Any] = {"model": "yolov8n.pt", "imgsz": 320, "conf": 0.1, "iou": 0.7, "max_det": 3000}
+
+
+def fleet_plan(store: Path) -> FleetPlan:
+    """Both demo models (batches of 8) and a model of a plugin that cannot be exported."""
+    fleet = FleetConfig.model_validate({
+        "model_store": str(store),
+        "models": {
+            "yolov8n": {"plugin": "yolo", "options": YOLO_EXPORT_OPTIONS, "batch": {"max_size": 8}},
+            "resnet18": {"plugin": "resnet", "options": {"weights": "resnet18.pt"}, "batch": {"max_size": 8}},
+            "toy": {"plugin": "toy"},
+        },
+    })
+    return resolve_fleet(fleet, PluginRegistry.from_entry_points(), "test-fleet")
+
+
+@pytest.fixture(scope="session")
+def onnx_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("onnx_store")
+
+
+@pytest.fixture(scope="session")
+def exports(demo_store: Path, onnx_store: Path) -> dict[str, OnnxExport]:
+    """Both demo models exported to ONNX by the onnx exporter, once per session."""
+    from model_router_onnx.export import export_onnx
+
+    from router.exporting import source_model
+
+    plan = fleet_plan(demo_store)
+    lines: list[str] = []
+    with network_refused() as attempts:
+        result = {name: export_onnx(source_model(plan, name), out=onnx_store / f"{name}.onnx", progress=lines.append)
+                  for name in ("yolov8n", "resnet18")}
+    assert attempts == [], f"the export tried to reach the network: {attempts}"
+    assert any(line.startswith("[2/4]") for line in lines) and any("[4/4]" in line for line in lines)
+    return result
 
 
 def photo(width: int, height: int, seed: int) -> np.ndarray:

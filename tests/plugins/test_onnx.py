@@ -4,7 +4,6 @@ onnxruntime, against the eager plugins at batch 1 and 8; metadata, providers and
 from __future__ import annotations
 
 import shutil
-import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -13,52 +12,25 @@ from typing import Any
 import onnx
 import pytest
 import torch
-from model_router_onnx import METADATA_KEY, MetadataError, OnnxOptions, OnnxPlugin, ProviderError, choose_providers
-from model_router_onnx.export import ExportError, OnnxExport, export_model, export_onnx, profile_from_policy
-from model_router_onnx.metadata import BatchProfile
-from model_router_onnx.parity import Tolerance
+from model_router_engines import METADATA_KEY, BatchProfile, MetadataError, Tolerance
+from model_router_onnx import OnnxOptions, OnnxPlugin, ProviderError, choose_providers
+from model_router_onnx.export import OnnxExport, OnnxExporter, export_onnx, profile_for
 from model_router_resnet import ResNetOptions, ResNetPlugin
 from model_router_yolo import YoloOptions, YoloPlugin
 from pydantic import ValidationError
 
-from router.config import BatchPolicy, FleetConfig
+from router.exporting import installed_exporters, plan_export, run_export, source_model
+from router.sdk import ExportError
 from router.sdk.plugin import Payload, PluginContext
-from router.serving.plan import FleetPlan, resolve_fleet
 from router.serving.registry import PluginRegistry
+from tests.plugins.conftest import YOLO_EXPORT_OPTIONS, fleet_plan
 from tests.plugins.test_yolo import assert_same_detections
 
-IMGSZ = 320
-CONF = 0.1  # as in test_yolo: many boxes from the untrained detector, so there is a lot to compare
-MAX_DET = 3000
+IMGSZ = YOLO_EXPORT_OPTIONS["imgsz"]
+CONF = YOLO_EXPORT_OPTIONS["conf"]
+MAX_DET = YOLO_EXPORT_OPTIONS["max_det"]
 SCORE_TOLERANCE = 1e-4
-YOLO_OPTIONS = {"model": "yolov8n.pt", "imgsz": IMGSZ, "conf": CONF, "iou": 0.7, "max_det": MAX_DET}
-
-
-def fleet_plan(store: Path) -> FleetPlan:
-    fleet = FleetConfig.model_validate({
-        "model_store": str(store),
-        "models": {
-            "yolov8n": {"plugin": "yolo", "options": YOLO_OPTIONS, "batch": {"max_size": 8}},
-            "resnet18": {"plugin": "resnet", "options": {"weights": "resnet18.pt"}, "batch": {"max_size": 8}},
-            "toy": {"plugin": "toy"},
-        },
-    })
-    return resolve_fleet(fleet, PluginRegistry.from_entry_points(), "test-fleet")
-
-
-@pytest.fixture(scope="module")
-def onnx_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("onnx_store")
-
-
-@pytest.fixture(scope="module")
-def exports(demo_store: Path, onnx_store: Path) -> dict[str, OnnxExport]:
-    plan = fleet_plan(demo_store)
-    lines: list[str] = []
-    result = {name: export_onnx(plan, name, out=onnx_store / f"{name}.onnx", progress=lines.append)
-              for name in ("yolov8n", "resnet18")}
-    assert any(line.startswith("[2/4]") for line in lines) and any("[4/4]" in line for line in lines)
-    return result
+YOLO_OPTIONS = YOLO_EXPORT_OPTIONS
 
 
 def onnx_plugin(store: Path, model: str, **options: Any) -> OnnxPlugin:
@@ -130,9 +102,9 @@ def test_export_has_a_dynamic_batch_axis_and_the_serving_metadata(exports: dict[
     assert len(classify.labels) == 1000 and classify.classify is not None and classify.classify.top_k == 5
 
 
-def test_profile_comes_from_the_batch_policy() -> None:
-    assert profile_from_policy(BatchPolicy(max_size=16)) == BatchProfile(min=1, opt=16, max=16)
-    assert profile_from_policy(BatchPolicy(max_size=1)) == BatchProfile(min=1, opt=1, max=1)
+def test_profile_comes_from_the_largest_batch() -> None:
+    assert profile_for(16) == BatchProfile(min=1, opt=16, max=16)
+    assert profile_for(1) == BatchProfile(min=1, opt=1, max=1)
 
 
 def test_export_that_does_not_match_pytorch_writes_nothing(
@@ -141,17 +113,24 @@ def test_export_that_does_not_match_pytorch_writes_nothing(
     import model_router_onnx.export as export_module
 
     monkeypatch.setattr(export_module, "FP32", Tolerance(box_px=-1.0, score=-1.0))  # nothing can pass
+    source = source_model(fleet_plan(demo_store), "resnet18")
     with pytest.raises(ExportError, match="does not match PyTorch; nothing written"):
-        export_onnx(fleet_plan(demo_store), "resnet18", out=tmp_path / "r.onnx", progress=lambda line: None)
+        export_onnx(source, out=tmp_path / "r.onnx", progress=lambda line: None)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_export_refuses_unknown_models_and_other_plugins(demo_store: Path) -> None:
-    plan = fleet_plan(demo_store)
-    with pytest.raises(ExportError, match="no model 'nope'; the fleet has: resnet18, toy, yolov8n"):
-        export_onnx(plan, "nope")
+def test_export_refuses_other_plugins_before_loading_them(demo_store: Path, tmp_path: Path) -> None:
+    lines: list[str] = []
     with pytest.raises(ExportError, match="uses plugin 'toy'; export supports 'yolo' and 'resnet'"):
-        export_onnx(plan, "toy")
+        export_onnx(source_model(fleet_plan(demo_store), "toy"), out=tmp_path / "t.onnx", progress=lines.append)
+    assert lines == [] and list(tmp_path.iterdir()) == []
+
+
+def test_the_exporter_is_found_through_its_entry_point() -> None:
+    found = installed_exporters()
+    assert isinstance(found.entries["onnx"].target, OnnxExporter)
+    assert found.entries["onnx"].distribution == "model-router-onnx"
+    assert OnnxExporter.needs is None and OnnxExporter().problems("cpu") == []
 
 
 def test_engine_format_where_tensorrt_cannot_run_fails_before_exporting(demo_store: Path, tmp_path: Path) -> None:
@@ -159,20 +138,26 @@ def test_engine_format_where_tensorrt_cannot_run_fails_before_exporting(demo_sto
 
     if not engine_problems():
         pytest.skip("TensorRT and a GPU are present here: the engine would be built")
+    steps = plan_export(installed_exporters(), "tensorrt")
+    assert [step.exporter.format for step in steps] == ["onnx", "tensorrt"]
     lines: list[str] = []
-    with pytest.raises(ExportError, match="cannot build a TensorRT engine for 'resnet18': .*tensorrt"):
-        export_model(fleet_plan(demo_store), "resnet18", fmt="tensorrt", out=tmp_path / "r.onnx", progress=lines.append)
+    source = source_model(fleet_plan(demo_store), "resnet18")
+    with pytest.raises(ExportError, match="cannot build the TensorRT engine for 'resnet18': .*tensorrt"):
+        run_export(steps, model="resnet18", source=source, out=tmp_path / "r.onnx", progress=lines.append)
     assert lines == [] and list(tmp_path.iterdir()) == []
 
 
-def test_cli_export_without_the_onnx_plugin_says_what_to_install(
+def test_cli_export_without_an_onnx_exporter_says_what_to_install(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    import router.exporting
     from router.cli import main
+    from router.serving.registry import Discovered
 
-    monkeypatch.setitem(sys.modules, "model_router_onnx.export", None)  # as if the package were not installed
-    assert main(["export", "--config", "unused.yaml", "--model", "m"]) == 1
-    assert "export needs the onnx plugin: pip install -e plugins/onnx" in capsys.readouterr().err
+    monkeypatch.setattr(router.exporting, "installed_exporters", lambda: Discovered())  # as if none were installed
+    assert main(["export", "--config", "unused.yaml", "--model", "m", "--format", "onnx"]) == 1
+    err = capsys.readouterr().err
+    assert "no exporter for format 'onnx' is installed (installed: none)" in err and "pip install -e plugins/onnx" in err
 
 
 # -- serving -----------------------------------------------------------------------------------------
@@ -260,8 +245,10 @@ def test_options_are_validated() -> None:
         OnnxOptions(model="resnet18.pt")
     with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
         OnnxOptions(model="a.onnx", imgsz=640)  # type: ignore[call-arg]  # the input size comes from the export
-    with pytest.raises(ValidationError, match="classes must be a non-empty list"):
+    with pytest.raises(ValidationError, match="List should have at least 1 item"):
         OnnxOptions(model="a.onnx", classes=[])
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        OnnxOptions(model="a.onnx", classes=[-1])
 
 
 def test_entry_point_names_the_plugin() -> None:

@@ -1,28 +1,44 @@
-"""The demo model store (router.store): skip, rebuild, determinism, a missing plugin package."""
+"""The demo model store (router.store): the files come from the plugins that serve them, through
+the `model_router.demo_files` entry points; skip, rebuild, determinism, a broken declaration."""
 
 from __future__ import annotations
 
-import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from model_router_resnet.demo import RESNET18
+from model_router_yolo.demo import YOLOV8N
 
-from router.store import DemoStoreError, init_demo
+from router.sdk import DemoFile
+from router.serving.registry import Discovered, Entry
+from router.store import DemoStoreError, demo_files, init_demo
+from tests.conftest import REPO
+
+
+def test_each_demo_file_is_declared_by_the_plugin_that_serves_it() -> None:
+    found = demo_files()
+    assert found.broken == {}
+    assert {name: (e.target, e.distribution) for name, e in found.entries.items()} == {
+        "yolov8n": (YOLOV8N, "model-router-yolo"),
+        "resnet18": (RESNET18, "model-router-resnet"),
+    }
 
 
 def test_init_demo_skips_files_that_exist(demo_store: Path) -> None:
     lines: list[str] = []
     assert init_demo(demo_store, progress=lines.append) == []
-    assert [line.split(":")[0] for line in lines] == ["skip yolov8n.pt", "skip resnet18.pt"]
+    assert [line.split(":")[0] for line in lines] == ["skip resnet18.pt", "skip yolov8n.pt"]
 
 
 def test_init_demo_builds_the_same_weights_every_time(demo_store: Path, tmp_path: Path) -> None:
     (tmp_path / "resnet18.pt").write_bytes(b"stale")
     lines: list[str] = []
     built = init_demo(tmp_path, force=True, progress=lines.append)
-    assert [p.name for p in built] == ["yolov8n.pt", "resnet18.pt"]
-    assert any(line.startswith("[2/2] resnet18.pt: done") for line in lines)
+    assert [p.name for p in built] == ["resnet18.pt", "yolov8n.pt"]
+    assert any(line.startswith("[2/2] yolov8n.pt: done") for line in lines)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["resnet18.pt", "yolov8n.pt"]  # no partial files left
     again, first = (torch.load(store / "resnet18.pt", weights_only=True) for store in (tmp_path, demo_store))
     assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
@@ -32,14 +48,31 @@ def test_init_demo_builds_the_same_weights_every_time(demo_store: Path, tmp_path
     assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
 
 
-def test_init_demo_names_the_missing_plugin_package_before_building(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "ultralytics" else real_find_spec(name, *a)
-    )
-    needs = r"yolov8n\.pt needs ultralytics: install the yolo plugin: pip install -e plugins/yolo"
-    with pytest.raises(DemoStoreError, match=needs):
-        init_demo(tmp_path, progress=lambda line: None)
+def test_a_failed_build_leaves_no_file_that_counts_as_built(tmp_path: Path) -> None:
+    def half_written(path: Path) -> None:
+        path.write_bytes(b"half a checkpoint")
+        raise OSError("disk full")
+
+    files: Discovered[DemoFile] = Discovered(entries={"x": Entry("x", DemoFile("x.pt", "a file", half_written))})
+    with pytest.raises(OSError, match="disk full"):
+        init_demo(tmp_path, files=files, progress=lambda line: None)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_broken_declaration_is_named_before_anything_is_built(tmp_path: Path) -> None:
+    files: Discovered[DemoFile] = Discovered(
+        entries={"resnet18": Entry("resnet18", RESNET18)},
+        broken={"yolov8n": "ModuleNotFoundError: No module named 'ultralytics'"},
+    )
+    with pytest.raises(DemoStoreError, match="broken demo file entry points: yolov8n: ModuleNotFoundError"):
+        init_demo(tmp_path, files=files, progress=lambda line: None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_command_line_prints_progress_and_what_it_built(demo_store: Path) -> None:
+    """As the Makefile runs it: `model-router store init-demo --store DIR`."""
+    done = subprocess.run([sys.executable, "-m", "router", "store", "init-demo", "--store", str(demo_store)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == ""  # nothing built: both files exist
+    assert "skip resnet18.pt: already in" in done.stderr and "skip yolov8n.pt: already in" in done.stderr

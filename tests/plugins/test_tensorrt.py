@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from model_router_onnx.export import OnnxExport, export_onnx
-from model_router_onnx.metadata import sidecar_path
+from model_router_engines import sidecar_path
 from model_router_tensorrt import BatchLimits, TensorRTOptions, TensorRTPlugin, limits_from_profile, plan_chunks
 from model_router_tensorrt.limits import engine_estimate, startup_error, startup_problems
 from pydantic import ValidationError
 
 from router.config import FleetConfig
+from router.exporting import source_model
 from router.sdk.plugin import Payload, PluginContext
 from router.serving.plan import FleetPlan, resolve_fleet
 from router.serving.registry import PluginRegistry
@@ -37,7 +37,7 @@ def test_options_accept_engines_and_plans() -> None:
     ({"engine": "a.engine", "metadata": "a.yaml"}, "metadata must be the .json file written beside the engine"),
     ({"engine": "a.engine", "fp16": True}, "Extra inputs are not permitted"),  # precision is fixed at build time
     ({"engine": "a.engine", "iou": 1.5}, "less than or equal to 1"),
-    ({"engine": "a.engine", "classes": []}, "classes must be a non-empty list"),
+    ({"engine": "a.engine", "classes": []}, "List should have at least 1 item"),
     ({}, "Field required"),
 ])
 def test_options_refuse_mistakes(options: dict[str, Any], message: str) -> None:
@@ -163,16 +163,17 @@ def gpu_plan(store: Path, max_batch: int) -> FleetPlan:
 
 @pytest.fixture(scope="module")
 def engines(demo_store: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Both demo models exported with batch policy max 4 and built into fp32 engines."""
+    """Both demo models exported with batch policy max 4 and built from their ONNX files into fp32 engines."""
     pytest.importorskip("tensorrt", reason="needs the tensorrt package (pip install 'model-router-tensorrt[tensorrt]')")
+    from model_router_onnx.export import export_onnx
     from model_router_tensorrt.build import build_engine
 
     out = tmp_path_factory.mktemp("engines")
     plan = gpu_plan(demo_store, max_batch=4)
     built = {}
     for name in ("yolov8n", "resnet18"):
-        export: OnnxExport = export_onnx(plan, name, out=out / f"{name}.onnx", progress=lambda line: None)
-        built[name] = build_engine(export, optimization_level=1, progress=lambda line: None)
+        export = export_onnx(source_model(plan, name), out=out / f"{name}.onnx", progress=lambda line: None)
+        built[name] = build_engine(export.path, optimization_level=1, progress=lambda line: None)
     return built
 
 

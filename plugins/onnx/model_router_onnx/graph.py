@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model_router_onnx.metadata import METADATA_KEY, ExportMetadata, parse_metadata
+from model_router_engines.metadata import METADATA_KEY, ExportMetadata, parse_metadata
 
 __all__ = ["GraphFacts", "read_graph"]
 

@@ -10,13 +10,21 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
+from model_router_engines import ExportMetadata, ServingOverrides, TaskProcessing, build_processing, staged_input_bytes
 from pydantic import BaseModel, Field, field_validator
 
 from model_router_onnx.graph import GraphFacts, read_graph
-from model_router_onnx.metadata import ExportMetadata
-from model_router_onnx.providers import CUDA, TENSORRT, ProviderError, choose_providers, device_index
-from model_router_onnx.tasks import ServingOverrides, TaskProcessing, build_processing
-from router.sdk import ACCEPTED_MEDIA_TYPES, MemoryEstimate, ModelPlugin, Payload, PluginContext, example_jpeg, image_size
+from model_router_onnx.providers import CUDA, TENSORRT, ProviderError, choose_providers
+from router.sdk import (
+    ACCEPTED_MEDIA_TYPES,
+    MemoryEstimate,
+    ModelPlugin,
+    Payload,
+    PluginContext,
+    device_index,
+    example_jpeg,
+    image_size,
+)
 
 __all__ = ["OnnxOptions", "OnnxPlugin"]
 
@@ -112,10 +120,7 @@ class OnnxPlugin(ModelPlugin[OnnxOptions]):
     def memory_estimate(self) -> MemoryEstimate:
         """Initializers as weights; per item the input plus every shape-inferred intermediate (an upper bound)."""
         facts, _ = self._loaded()
-        spec = facts.metadata.input
-        pixels = int(np.prod(spec.shape))
-        upload = pixels * (1 + 4) if facts.metadata.task == "detect" else pixels * 8  # uint8 + float / float + copy
-        return MemoryEstimate(facts.weights_bytes, upload + facts.activation_bytes_per_item)
+        return MemoryEstimate(facts.weights_bytes, staged_input_bytes(facts.metadata) + facts.activation_bytes_per_item)
 
     def example_payload(self) -> Payload:
         return example_jpeg()

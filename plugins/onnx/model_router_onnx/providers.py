@@ -3,13 +3,14 @@ installed onnxruntime offers, and whether TensorRT's libraries are present."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
-from model_router_onnx.metadata import BatchProfile
+from model_router_engines.metadata import BatchProfile
 
-__all__ = ["CPU", "CUDA", "TENSORRT", "ProviderError", "choose_providers", "device_index"]
+from router.sdk import device_index
+
+__all__ = ["CPU", "CUDA", "TENSORRT", "ProviderError", "choose_providers"]
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -20,16 +21,6 @@ Provider = tuple[str, dict[str, Any]]
 
 class ProviderError(RuntimeError):
     """The device cannot be served by the installed onnxruntime."""
-
-
-def device_index(device: str) -> int | None:
-    """None for `cpu`, N for `cuda:N`; ValueError for anything else."""
-    if device == "cpu":
-        return None
-    match = re.fullmatch(r"cuda:(\d+)", device)
-    if match is None:
-        raise ValueError(f"device {device!r} is not valid; accepted: 'cpu' or 'cuda:N'")
-    return int(match.group(1))
 
 
 def choose_providers(

@@ -23,6 +23,7 @@ from router.sdk import (
     activation_bytes,
     example_jpeg,
     image_size,
+    require_cuda_for_half,
     tensor_bytes,
 )
 
@@ -71,11 +72,7 @@ class ResNetPlugin(ModelPlugin[ResNetOptions]):
     def load(self, device: str) -> None:
         """Build the architecture sized by the state dict's `fc` layer, load the weights, move to `device`."""
         self.device = torch.device(device)
-        if self.options.half and self.device.type != "cuda":
-            raise ValueError(
-                f"model {self.context.model_name!r}: half: true needs a CUDA device, got {device!r}; "
-                "set half: false for CPU instances"
-            )
+        require_cuda_for_half(self.context.model_name, device, self.options.half)
         state = _read_state_dict(self.weights_path)
         num_classes = _fc_rows(state, self.weights_path)
         # Built on the meta device (no random initialisation to throw away), then the checkpoint's

@@ -1,38 +1,65 @@
-"""Building a TensorRT engine from a checked ONNX export: one optimisation profile whose batch
-range comes from the model's batch policy, optional fp16, then the same check against eager
-PyTorch before anything is written under its final name."""
+"""The `tensorrt` exporter: a TensorRT engine built from an ONNX file that `model-router export`
+wrote, on the machine that will serve it. One optimisation profile whose batch range is the
+export's, optional fp16, then a check against onnxruntime running the same ONNX file on the same
+inputs, before anything is written under its final name. Needs neither the source checkpoint nor
+its plugin: only the `.onnx` file, TensorRT, onnxruntime and a GPU.
+"""
 
 from __future__ import annotations
 
-import os
+import importlib.util
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from model_router_onnx.export import ExportError, OnnxExport, Progress
-from model_router_onnx.metadata import ExportMetadata, sidecar_path, write_sidecar
-from model_router_onnx.parity import FP16, FP32, ParityReport, Tolerance, compare
+from model_router_engines.checks import OnnxReference, check_outputs, check_sizes
+from model_router_engines.metadata import ExportMetadata, sidecar_path, write_sidecar
+from model_router_engines.parity import FP16, FP32, ParityReport, Tolerance
 
 from model_router_tensorrt.limits import startup_problems
 from model_router_tensorrt.runner import EngineRunner, tensorrt_logger, tensorrt_version
+from router.sdk import Exporter, ExportError, ExportJob, Progress, partial_file
 
-__all__ = ["build_engine", "engine_problems"]
+__all__ = ["TensorRTExporter", "build_engine", "engine_problems"]
+
+
+class TensorRTExporter(Exporter):
+    """An ONNX export to `<model>.engine` and its metadata `<model>.engine.json`."""
+
+    format: ClassVar[str] = "tensorrt"
+    title: ClassVar[str] = "TensorRT engine"
+    suffix: ClassVar[str] = ".engine"
+    needs: ClassVar[str | None] = "onnx"
+
+    def problems(self, device: str) -> list[str]:
+        return engine_problems(device)
+
+    def export(self, job: ExportJob) -> Path:
+        if job.input is None:
+            raise ExportError(f"the tensorrt exporter builds from an ONNX file; none was given for {job.model!r}")
+        return build_engine(job.input, fp16=job.fp16, device=job.device, out=job.out, progress=job.progress,
+                            model=job.model)
 
 
 def engine_problems(device: str = "cuda:0") -> list[str]:
     """Why no engine can be built here (empty: it can)."""
-    return startup_problems(device, tensorrt_version=tensorrt_version(), cuda_available=torch.cuda.is_available())
+    problems = startup_problems(device, tensorrt_version=tensorrt_version(), cuda_available=torch.cuda.is_available())
+    if importlib.util.find_spec("onnxruntime") is None:
+        problems.append("the engine is checked against onnxruntime, which is not installed "
+                        "(pip install 'model-router-tensorrt[tensorrt]')")
+    return problems
 
 
 def build_engine(
-    export: OnnxExport,
+    onnx_path: Path,
     *,
     fp16: bool = False,
     device: str = "cuda:0",
     out: Path | None = None,
     optimization_level: int | None = None,
     progress: Progress = print,
+    model: str | None = None,
 ) -> Path:
     """Build, check and write `<onnx stem>.engine` and its metadata `<engine>.json`; return the engine path.
 
@@ -40,29 +67,27 @@ def build_engine(
     """
     import tensorrt as trt
 
-    target = out if out is not None else export.path.with_suffix(".engine")
-    batch, precision = export.metadata.batch, "fp16" if fp16 else "fp32"
+    name = model or onnx_path.stem
+    target = out if out is not None else onnx_path.with_suffix(".engine")
+    reference = OnnxReference(onnx_path)
+    batch, precision = reference.metadata.batch, "fp16" if fp16 else "fp32"
     started = time.perf_counter()
-    progress(f"[1/3] {export.model}: building a TensorRT {trt.__version__} {precision} engine, "
+    progress(f"[1/3] {name}: building a TensorRT {trt.__version__} {precision} engine from {onnx_path}, "
              f"batch min {batch.min} / opt {batch.opt} / max {batch.max}")
-    serialized = _build(trt, export.path, export.metadata, fp16, optimization_level, progress)
-    metadata = _engine_metadata(export.metadata, trt.__version__, precision)
-    progress(f"[2/3] {export.model}: checking the engine against PyTorch at batch "
-             f"{' and '.join(map(str, sorted(export.reference)))}")
-    checks = _check(serialized, torch.device(device), metadata, export, FP16 if fp16 else FP32)
+    serialized = _build(trt, onnx_path, reference.metadata, fp16, optimization_level, progress)
+    metadata = _engine_metadata(reference.metadata, trt.__version__, precision)
+    sizes = check_sizes(batch)
+    progress(f"[2/3] {name}: checking the engine against onnxruntime at batch {' and '.join(map(str, sizes))}")
+    checks = _check(serialized, torch.device(device), metadata, reference, sizes, FP16 if fp16 else FP32, name)
     for report in checks:
         progress(f"      {report.line()}")
     if not all(report.ok for report in checks):
-        raise ExportError(f"{export.model}: the TensorRT engine does not match PyTorch; nothing written")
-    partial = target.with_name(f".{target.name}.partial")
-    try:
+        raise ExportError(f"{name}: the TensorRT engine does not match onnxruntime; nothing written")
+    with partial_file(target) as partial:
         partial.write_bytes(serialized)
         write_sidecar(sidecar_path(target), metadata)
-        os.replace(partial, target)
-    finally:
-        partial.unlink(missing_ok=True)
     size_mb = target.stat().st_size / 1e6
-    progress(f"[3/3] {export.model}: wrote {target} ({size_mb:.1f} MB) and {sidecar_path(target).name} "
+    progress(f"[3/3] {name}: wrote {target} ({size_mb:.1f} MB) and {sidecar_path(target).name} "
              f"in {time.perf_counter() - started:.1f} s")
     return target
 
@@ -126,15 +151,18 @@ def _engine_metadata(metadata: ExportMetadata, version: str, precision: str) -> 
 
 
 def _check(
-    serialized: bytes, device: torch.device, metadata: ExportMetadata, export: OnnxExport, tolerance: Tolerance
+    serialized: bytes,
+    device: torch.device,
+    metadata: ExportMetadata,
+    reference: OnnxReference,
+    sizes: list[int],
+    tolerance: Tolerance,
+    model: str,
 ) -> list[ParityReport]:
-    runner = EngineRunner(serialized, device, metadata, export.model)
-    top_k = metadata.classify.top_k if metadata.classify is not None else 5
+    runner = EngineRunner(serialized, device, metadata, model)
     try:
-        reports = []
-        for _, (inputs, expected) in sorted(export.reference.items()):
-            got = runner.run(inputs.to(device))
-            reports.append(compare(metadata.task, expected, got, tolerance, engine="tensorrt", top_k=top_k))
-        return reports
+        expected = reference.expected(sizes)
+        return check_outputs(metadata, lambda inputs: runner.run(inputs.to(device)), expected, tolerance,
+                             engine="tensorrt", against="onnxruntime")
     finally:
         runner.close()

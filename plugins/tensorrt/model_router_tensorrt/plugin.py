@@ -14,8 +14,15 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
-from model_router_onnx.metadata import ExportMetadata, read_sidecar, sidecar_path
-from model_router_onnx.tasks import ServingOverrides, TaskProcessing, build_processing
+from model_router_engines import (
+    ExportMetadata,
+    ServingOverrides,
+    TaskProcessing,
+    build_processing,
+    read_sidecar,
+    sidecar_path,
+    staged_input_bytes,
+)
 from pydantic import BaseModel, Field, field_validator
 
 from model_router_tensorrt.limits import BatchLimits, engine_estimate, startup_error, startup_problems
@@ -108,9 +115,7 @@ class TensorRTPlugin(ModelPlugin[TensorRTOptions]):
         """Engine plus its device memory plus the owned buffers as weights; per item the staged input and output copy."""
         _, runner = self._loaded()
         assert self.metadata is not None
-        pixels = math.prod(self.metadata.input.shape)
-        staged = pixels * (1 + 4) if self.metadata.task == "detect" else pixels * 8
-        per_item = staged + 4 * math.prod(self.metadata.output.shape)
+        per_item = staged_input_bytes(self.metadata) + 4 * math.prod(self.metadata.output.shape)
         return engine_estimate(runner.engine_bytes, runner.device_memory_bytes, runner.buffer_bytes, per_item)
 
     def example_payload(self) -> Payload:

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from model_router_onnx.metadata import ExportMetadata
+from model_router_engines.metadata import ExportMetadata
 
 from model_router_tensorrt.limits import BatchLimits, limits_from_profile, plan_chunks
 

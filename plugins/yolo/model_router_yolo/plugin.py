@@ -21,6 +21,7 @@ from router.sdk import (
     PluginContext,
     activation_bytes,
     example_jpeg,
+    require_cuda_for_half,
     tensor_bytes,
 )
 
@@ -89,11 +90,7 @@ class YoloPlugin(ModelPlugin[YoloOptions]):
         from ultralytics.nn.autobackend import AutoBackend
 
         self.device = torch.device(device)
-        if self.options.half and self.device.type != "cuda":
-            raise ValueError(
-                f"model {self.context.model_name!r}: half: true needs a CUDA device, got {device!r}; "
-                "set half: false for CPU instances"
-            )
+        require_cuda_for_half(self.context.model_name, device, self.options.half)
         yolo = self._build()
         network = AutoBackend(yolo.model, device=self.device, fp16=self.options.half, fuse=True, verbose=False)
         network.eval()

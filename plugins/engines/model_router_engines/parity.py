@@ -1,8 +1,9 @@
-"""Comparing an engine's raw outputs with eager PyTorch's on the same inputs.
+"""Comparing an engine's raw outputs with a reference's on the same inputs.
 
-Used by `model-router export` before it reports success (ONNX and TensorRT), and by the GPU
-check. Detect outputs are (n, 4 + classes, anchors) with boxes in network-input pixels;
-classify outputs are logits (n, classes).
+Used by the exporters before they give a file its final name: the ONNX export against eager
+PyTorch, the TensorRT engine against onnxruntime running the ONNX file it was built from. Detect
+outputs are (n, 4 + classes, anchors) with boxes in network-input pixels; classify outputs are
+logits (n, classes).
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from router.sdk import Payload, example_jpeg
-
-__all__ = ["FP16", "FP32", "ParityReport", "Tolerance", "check_payloads", "compare", "top_k_agree"]
+__all__ = ["FP16", "FP32", "ParityReport", "Tolerance", "compare", "top_k_agree"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +28,7 @@ FP16 = Tolerance(box_px=2.0, score=2e-2)
 @dataclass(frozen=True)
 class ParityReport:
     engine: str
+    reference: str
     batch: int
     max_box_px: float | None  # None for classify
     max_score: float
@@ -39,26 +39,34 @@ class ParityReport:
         boxes = "" if self.max_box_px is None else f"boxes within {self.max_box_px:.3g} px, "
         top_k = "" if self.top_k_equal is None else f", top-k {'identical' if self.top_k_equal else 'DIFFERENT'}"
         verdict = "ok" if self.ok else "FAILED"
-        return f"{self.engine} vs PyTorch at batch {self.batch}: {boxes}scores within {self.max_score:.3g}{top_k}: {verdict}"
+        return (f"{self.engine} vs {self.reference} at batch {self.batch}: {boxes}scores within {self.max_score:.3g}"
+                f"{top_k}: {verdict}")
 
 
 def compare(
-    task: str, reference: torch.Tensor, candidate: torch.Tensor, tolerance: Tolerance, *, engine: str, top_k: int = 5
+    task: str,
+    reference: torch.Tensor,
+    candidate: torch.Tensor,
+    tolerance: Tolerance,
+    *,
+    engine: str,
+    against: str = "PyTorch",
+    top_k: int = 5,
 ) -> ParityReport:
-    """One batch's raw outputs side by side."""
+    """One batch's raw outputs side by side: `candidate` from `engine`, `reference` from `against`."""
     reference, candidate = reference.detach().float().cpu(), candidate.detach().float().cpu()
     if reference.shape != candidate.shape:
-        raise ValueError(f"{engine} output has shape {tuple(candidate.shape)}, PyTorch's {tuple(reference.shape)}")
+        raise ValueError(f"{engine} output has shape {tuple(candidate.shape)}, {against}'s {tuple(reference.shape)}")
     batch = int(reference.shape[0])
     if task == "detect":
         box = float((reference[:, :4] - candidate[:, :4]).abs().max())
         score = float((reference[:, 4:] - candidate[:, 4:]).abs().max()) if reference.shape[1] > 4 else 0.0
         ok = box <= tolerance.box_px and score <= tolerance.score
-        return ParityReport(engine, batch, box, score, None, ok)
+        return ParityReport(engine, against, batch, box, score, None, ok)
     ref_probs, cand_probs = reference.softmax(dim=1), candidate.softmax(dim=1)
     score = float((ref_probs - cand_probs).abs().max())
     same = top_k_agree(ref_probs, cand_probs, min(top_k, ref_probs.shape[1]), tolerance.score)
-    return ParityReport(engine, batch, None, score, same, same and score <= tolerance.score)
+    return ParityReport(engine, against, batch, None, score, same, same and score <= tolerance.score)
 
 
 def top_k_agree(reference: torch.Tensor, candidate: torch.Tensor, k: int, tie: float = 0.0) -> bool:
@@ -70,9 +78,3 @@ def top_k_agree(reference: torch.Tensor, candidate: torch.Tensor, k: int, tie: f
         return True
     gap = (reference.gather(1, ref_ids) - reference.gather(1, cand_ids)).abs()
     return bool(tie > 0 and float(gap.max()) <= tie)
-
-
-def check_payloads(count: int) -> list[Payload]:
-    """Generated JPEGs for the check inputs: landscape, portrait, square and wide, in turn."""
-    shapes = [(320, 240), (240, 320), (256, 256), (400, 200)]
-    return [example_jpeg(*shapes[i % len(shapes)], seed=i) for i in range(count)]

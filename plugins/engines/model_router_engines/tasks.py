@@ -2,21 +2,26 @@
 
 Nothing is re-implemented here: `detect` is the yolo plugin's `YoloProcessing`, `classify` the
 resnet plugin's `ClassifyProcessing`. Both engine plugins (`onnx`, `tensorrt`) build theirs here.
+Each is imported only when an export of its task is served, so a classify engine needs neither the
+yolo plugin nor ultralytics (extras `model-router-engines[detect]` and `[classify]`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import torch
-from model_router_yolo.processing import check_class_ids
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
-from model_router_onnx.metadata import ExportMetadata, Normalisation
+from model_router_engines.metadata import ExportMetadata, Normalisation
 from router.sdk import DEFAULT_MAX_PIXELS, Payload
 
-__all__ = ["ServingOverrides", "TaskProcessing", "build_processing"]
+__all__ = ["ServingOverrides", "TaskProcessing", "build_processing", "staged_input_bytes"]
+
+#: Where each task's processing comes from, for the message when it is not installed.
+_PROCESSING = {"detect": ("yolo", "model-router-yolo"), "classify": ("resnet", "model-router-resnet")}
 
 
 class ServingOverrides(BaseModel):
@@ -27,15 +32,12 @@ class ServingOverrides(BaseModel):
     conf: float | None = Field(None, ge=0.0, le=1.0, description="detect: minimum score")
     iou: float | None = Field(None, ge=0.0, le=1.0, description="detect: NMS IoU threshold")
     max_det: int | None = Field(None, ge=1, description="detect: most detections kept per image")
-    classes: list[int] | None = Field(None, description="detect: keep only these class ids")
+    classes: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = Field(
+        None, description="detect: keep only these class ids (a non-empty list of ids >= 0)"
+    )
     top_k: int | None = Field(None, ge=1, description="classify: classes returned per image")
     labels: list[str] | None = Field(None, description="class names, one per class id")
     max_pixels: int = Field(DEFAULT_MAX_PIXELS, ge=1, description="largest accepted input image, in pixels")
-
-    @field_validator("classes")
-    @classmethod
-    def _non_negative(cls, value: list[int] | None) -> list[int] | None:
-        return check_class_ids(value)
 
 
 class TaskProcessing(Protocol):
@@ -60,8 +62,18 @@ def build_processing(metadata: ExportMetadata, overrides: ServingOverrides, mode
     return _classify(metadata, overrides, labels, model)
 
 
+def staged_input_bytes(metadata: ExportMetadata) -> int:
+    """Device memory one item's network input takes while its batch is staged: detect uploads uint8
+    pixels and converts them to float there; classify uploads float pixels and the engine copies them."""
+    pixels = math.prod(metadata.input.shape)
+    return pixels * (1 + 4) if metadata.task == "detect" else pixels * 8
+
+
 def _detect(metadata: ExportMetadata, overrides: ServingOverrides, labels: list[str], model: str) -> TaskProcessing:
-    from model_router_yolo.processing import DetectSettings, YoloProcessing
+    try:
+        from model_router_yolo.processing import DetectSettings, YoloProcessing
+    except ImportError as exc:
+        raise _missing_processing(model, "detect", exc) from None
 
     _refuse(model, "detect", top_k=overrides.top_k)
     if metadata.normalisation != Normalisation():
@@ -82,7 +94,10 @@ def _detect(metadata: ExportMetadata, overrides: ServingOverrides, labels: list[
 
 
 def _classify(metadata: ExportMetadata, overrides: ServingOverrides, labels: list[str], model: str) -> TaskProcessing:
-    from model_router_resnet.processing import ClassifyProcessing
+    try:
+        from model_router_resnet.processing import ClassifyProcessing
+    except ImportError as exc:
+        raise _missing_processing(model, "classify", exc) from None
 
     _refuse(model, "classify", conf=overrides.conf, iou=overrides.iou, max_det=overrides.max_det, classes=overrides.classes)
     if abs(metadata.normalisation.scale - 1 / 255) > 1e-12:
@@ -112,3 +127,11 @@ def _refuse(model: str, task: str, **given: Any) -> None:
     wrong = sorted(name for name, value in given.items() if value is not None)
     if wrong:
         raise ValueError(f"model {model!r}: option(s) {', '.join(wrong)} do not apply to a {task!r} export")
+
+
+def _missing_processing(model: str, task: str, exc: ImportError) -> RuntimeError:
+    plugin, distribution = _PROCESSING[task]
+    return RuntimeError(
+        f"model {model!r}: a {task!r} export is served with the {plugin} plugin's processing, which is not "
+        f"installed (pip install 'model-router-engines[{task}]', which brings {distribution}): {exc}"
+    )

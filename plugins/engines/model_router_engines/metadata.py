@@ -2,7 +2,7 @@
 labels, post-processing defaults and the batch profile. Stored as JSON under one key of the ONNX
 model's metadata_props, and beside a TensorRT engine as `<engine>.json`.
 
-Pure pydantic: importing this module needs neither onnx nor onnxruntime.
+Pure pydantic: importing this module needs neither torch, onnx nor onnxruntime.
 """
 
 from __future__ import annotations
