@@ -58,6 +58,18 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
                                    _ratio(point["goodput_rps"], capacity), 0.8,
                                    detail=f"goodput {point['goodput_rps']} rps, capacity {capacity} rps; {statuses}; "
                                           f"503 without Retry-After: {point['rejected_without_retry_after']}"))
+    if "residency" in runs:
+        w = runs["residency"]
+        two, every = w["two_of_four"], w["all_resident"]
+        targets.append(_target("residency: round robin over 4 ResNet18s, 2 resident / all 4 resident",
+                               _ratio(two["throughput_rps"], every["throughput_rps"]), 0.8,
+                               detail=f"{two['throughput_rps']} vs {every['throughput_rps']} rps; {two['loads']} loads, "
+                                      f"{two['evictions']} evictions; statuses {two['statuses']}"))
+        if "ray_multiplex" in w:
+            ray = w["ray_multiplex"]
+            targets.append(_target("residency: router holding 2 of 4 / Ray Serve multiplexing holding 2 of 4",
+                                   _ratio(two["throughput_rps"], ray["two_of_four"]["throughput_rps"]), 1.5,
+                                   detail=f"Ray {ray['two_of_four']['throughput_rps']} rps"))
     if "accelerator" in runs:
         w = runs["accelerator"]
         limit = w["limit"].get("analytic_rps")
@@ -86,6 +98,16 @@ def _row(cells: list[str], widths: list[int]) -> str:
 def _rows(results: dict[str, Any]) -> list[list[str]]:
     rows = [["workload", "system", "load", "ok rps", "good rps", "p50 ms", "p90 ms", "p99 ms", "statuses", "RSS MB"]]
     for name, w in results["workloads"].items():
+        if name == "residency":
+            for label in ("all_resident", "two_of_four"):
+                r = w[label]
+                rows.append([name, "router", f"{label}, c=16 round robin", str(r["throughput_rps"]), str(r["goodput_rps"]),
+                             str(r["ok_ms"]["p50"]), str(r["ok_ms"]["p90"]), str(r["ok_ms"]["p99"]),
+                             " ".join(f"{k}:{v}" for k, v in sorted(r["statuses"].items())), ""])
+            for model, c in w["cold_start"].items():
+                rows.append([name, "router", f"cold start {model}", "", "", f"first load {c['first_load_s']} s",
+                             f"reload {c['reload_s']} s", "", "", ""])
+            continue
         limit = w["limit"]
         rows.append([name, "direct (limit)", f"batch {limit['batch']}",
                      f"{limit['with_decode_rps']} / {limit['without_decode_rps']} no-decode", "",

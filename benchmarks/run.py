@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 
 from benchmarks.report import evaluate, plot, render
+from benchmarks.residency import run_residency
 from benchmarks.systems import SYSTEMS, RssSampler, Server, request_target, serve
 from benchmarks.workloads import REPO, WORKLOADS, Workload
 
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a short smoke run (figures not meaningful)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--store", type=Path, default=REPO / "model_store")
-    parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), help="default: all")
+    parser.add_argument("--workload", action="append", choices=sorted([*WORKLOADS, "residency"]), help="default: all")
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
     scratch = args.out / "scratch"  # fleet files, request bodies and server logs of this run only
@@ -176,7 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"machine": machine(), "command": "make bench", "plan": plan.__dict__,
                                "deadline_s": DEADLINE_S, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "workloads": {}}
-    for name in args.workload or list(WORKLOADS):
+    for name in args.workload or [*WORKLOADS, "residency"]:
+        if name == "residency":
+            results["workloads"][name] = run_residency(args.store.resolve(), scratch, plan.open_s * 2, plan.warm_s)
+            continue
         results["workloads"][name] = run_workload(WORKLOADS[name], args.store.resolve(), scratch, plan,
                                                   sweep=name == "resnet18")
     results["targets"] = evaluate(results)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks, in one go, for a machine with a CUDA GPU (about 5 minutes, at most 9):
 #   1. the `gpu`-marked tests: NVML probe vs CUDA, CUDA memory profiling, a real CUDA out-of-memory
-#      split and retried, onnxruntime's CUDA provider with IO binding, TensorRT engines built and
+#      split and retried, residency on cuda:0 (on-demand models evicted by NVML, memory back), onnxruntime's CUDA provider with IO binding, TensorRT engines built and
 #      served against eager PyTorch (each skips, with its reason, where its library is missing);
 #   2. scripts/gpu_engine_check.py: both demo models exported to ONNX, and to TensorRT where it is
 #      installed (ResNet in fp16), a short load of every engine through a real router beside its

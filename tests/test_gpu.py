@@ -106,3 +106,47 @@ def test_real_cuda_out_of_memory_is_split_and_retried(tmp_path: Path) -> None:
     answers, sizes = asyncio.run(run())
     assert [a.output for a in answers] == ["0", "1", "2", "3"]
     assert sizes[0] == 4 and max(sizes[1:]) <= 2
+
+
+def test_residency_on_a_gpu_evicts_by_nvml_and_memory_comes_back(tmp_path: Path) -> None:
+    """Three on-demand ResNet-18s on cuda:0 (declared at 102 MB of weights each) in a budget that
+    holds two beside what the card uses now: round robin loads and evicts, every request is
+    answered, and each unload shows in NVML."""
+    from router.scheduling.probes import NvmlProbe as Probe
+
+    probe = Probe("cuda:0")
+    used_now = probe.read().used_bytes
+    probe.close()
+    weights = 102_000_000  # declared: makes two fit and three not, whatever the card holds
+    budget = used_now + 2 * weights + 1_500_000_000  # two models and their batches, not three
+    store = Path(__file__).resolve().parents[1] / "model_store"
+    models = "".join(
+        f"  r{i}: {{plugin: resnet, device: 'cuda:0', options: {{arch: resnet18, weights: resnet18.pt}}, "
+        f"residency: on_demand, memory: {{weights: {weights}, per_item: 20MB}}}}\n" for i in range(3)
+    )
+    config = tmp_path / "fleet.yaml"
+    config.write_text(f"model_store: {store}\ndevices:\n  cuda:0: {{probe: nvml, memory_budget: {budget}}}\n"
+                      f"models:\n{models}")
+    body = (Path(__file__).resolve().parents[1] / "examples" / "street.jpg").read_bytes()
+
+    async def run() -> tuple[list[Any], list[Any]]:
+        runtime = Runtime(build_plan(config))
+        await runtime.start()
+        await runtime.wait_loaded()
+        try:
+            answers = []
+            for round_ in range(4):
+                answers += await asyncio.gather(*(runtime.submit(f"r{i}", Payload(body, "image/jpeg"))
+                                                  for i in range(3)))
+            return answers, runtime.models()
+        finally:
+            await runtime.drain(2)
+            await runtime.stop()
+
+    answers, models_after = asyncio.run(run())
+    assert len(answers) == 12
+    evictions = sum(sum(m.residency.evictions.values()) for m in models_after if m.residency)
+    assert evictions >= 1
+    returned = [m.residency.last_unload_returned_bytes for m in models_after
+                if m.residency and m.residency.last_unload_returned_bytes is not None]
+    assert returned and all(r > 0 for r in returned)

@@ -294,3 +294,34 @@ async def test_a_plugin_bug_is_a_500_whose_log_names_plugin_and_hook(
         [line] = [r for r in caplog.records if r.name == "router.serving.runtime" and r.levelname == "ERROR"]
         assert line.getMessage() == "model m: plugin buggy raised in preprocess: KeyError: 'missing field'"
         assert line.exc_info is not None  # the traceback, once
+
+
+class SlowPreprocess(Buggy):
+    """preprocess of 'block' waits for `release`; every preprocess call is recorded."""
+
+    calls: list[str] = []
+    release = __import__("threading").Event()
+
+    def preprocess(self, payload: Payload) -> str:
+        ident = str(json.loads(payload.body)["id"])
+        type(self).calls.append(ident)
+        if ident == "block":
+            type(self).release.wait(10)
+        return ident
+
+
+async def test_preprocessing_of_a_request_answered_before_a_worker_took_it_is_skipped(tmp_path: Path) -> None:
+    registry = PluginRegistry.from_entry_points(only=[])
+    registry.register("slow", SlowPreprocess)
+    SlowPreprocess.calls.clear()
+    SlowPreprocess.release.clear()
+    fleet = "models:\n  m: {plugin: slow, warmup: {enabled: false}}\n"
+    async with running(make_runtime(tmp_path, fleet, registry, cpu_workers=1)) as runtime:
+        blocking = asyncio.create_task(runtime.submit("m", ask("block")))  # holds the only worker
+        await until(lambda: SlowPreprocess.calls == ["block"])
+        with pytest.raises(DeadlineExceeded, match="preparing the input"):
+            await runtime.submit("m", ask("late"), timeout_ms=50)
+        SlowPreprocess.release.set()
+        await blocking
+        assert (await runtime.submit("m", ask("after"))).output == {"id": "after"}
+    assert SlowPreprocess.calls == ["block", "after"]  # "late" was never preprocessed

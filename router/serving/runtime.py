@@ -14,6 +14,7 @@ import asyncio
 import gc
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -434,7 +435,20 @@ class Runtime:
             raise DeadlineExceeded(f"deadline passed while preparing the input for model {deployment.name!r}") from None
 
     async def _on_cpu(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+        """Run fn on the CPU pool. Work whose request was answered (deadline, client gone) before a
+        pool thread picked it up is skipped, not run for nobody."""
+        abandoned = threading.Event()
+
+        def unless_abandoned() -> T:
+            if abandoned.is_set():
+                raise asyncio.CancelledError
+            return fn(*args)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._cpu, unless_abandoned)
+        except BaseException:
+            abandoned.set()
+            raise
 
     async def _hook(self, deployment: Deployment, hook: str, fn: Callable[..., T], *args: Any) -> T:
         """Run a plugin hook on the CPU pool. Its RouterErrors (InputError...) answer the request;
