@@ -27,10 +27,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from router.config import FleetConfig, format_validation_error
-from router.errors import ConfigError, ModelDoesNotFit, ModelNotFound, ModelUnavailable
+from router.errors import ConfigError, ModelDoesNotFit, ModelUnavailable
 from router.scheduling.queue import reject
 from router.scheduling.scheduler import DeviceScheduler
-from router.serving.deployment import Deployment
+from router.serving.deployment import Deployment, find_deployment
 from router.serving.fleet import Fleet, UnloadReport
 from router.serving.instance import InstanceState
 from router.serving.loading import load_instance
@@ -79,11 +79,7 @@ class FleetChanges:
         self._generations = {name: 1 for name in deployments}
 
     def _deployment(self, name: str) -> Deployment:
-        try:
-            return self._deployments[name]
-        except KeyError:
-            known = ", ".join(sorted(self._deployments)) or "none"
-            raise ModelNotFound(f"no model named {name!r}; models: {known}") from None
+        return find_deployment(self._deployments, name)
 
     # -- load and unload ------------------------------------------------------------------------
 

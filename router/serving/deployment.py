@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from pydantic import BaseModel
 
 from router.config import BatchPolicy, ModelConfig
+from router.errors import ModelNotFound
 from router.scheduling.queue import ModelQueue
 from router.scheduling.residency import Occupant
 from router.scheduling.scheduler import Runner
@@ -27,7 +29,7 @@ from router.sdk.plugin import ModelPlugin
 from router.serving.instance import InstanceState, ModelInstance
 from router.serving.registry import PluginInfo
 
-__all__ = ["Deployment", "ModelState", "Residency"]
+__all__ = ["Deployment", "ModelState", "Residency", "find_deployment"]
 
 #: Expected load time of a model never loaded yet, for residency's urgency.
 DEFAULT_LOAD_S = 1.0
@@ -250,3 +252,12 @@ class Deployment:
     def budget_bytes(self) -> int | None:
         budget = self.config.memory.budget
         return int(budget) if budget is not None else None
+
+
+def find_deployment(deployments: Mapping[str, Deployment], name: str) -> Deployment:
+    """The model called `name`; ModelNotFound (404) listing the models there are."""
+    try:
+        return deployments[name]
+    except KeyError:
+        known = ", ".join(sorted(deployments)) or "none"
+        raise ModelNotFound(f"no model named {name!r}; models: {known}") from None

@@ -27,7 +27,6 @@ from router.config import FleetConfig
 from router.errors import (
     DeadlineExceeded,
     ModelError,
-    ModelNotFound,
     ModelUnavailable,
     RouterError,
     ShuttingDown,
@@ -39,7 +38,7 @@ from router.scheduling.scheduler import DeviceScheduler
 from router.sdk.plugin import Payload, PluginContext
 from router.serving.changes import FleetChanges, ReloadReport
 from router.serving.checks import check_answer, check_media_type, check_predicted_wait, check_priority, check_timeout
-from router.serving.deployment import Deployment
+from router.serving.deployment import Deployment, find_deployment
 from router.serving.fleet import Fleet, UnloadReport
 from router.serving.instance import ModelInstance
 from router.serving.isolation import RemotePlugin
@@ -274,11 +273,7 @@ class Runtime:
     # -- the request path -------------------------------------------------------------------
 
     def _deployment(self, name: str) -> Deployment:
-        try:
-            return self._deployments[name]
-        except KeyError:
-            known = ", ".join(sorted(self._deployments)) or "none"
-            raise ModelNotFound(f"no model named {name!r}; models: {known}") from None
+        return find_deployment(self._deployments, name)
 
     def precheck(
         self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
