@@ -14,6 +14,7 @@ class Telemetry(Protocol):
     def observe_request(self, model: str, outcome: str, seconds: float) -> None: ...
     def observe_queue_wait(self, model: str, seconds: float) -> None: ...
     def observe_batch(self, model: str, size: int, seconds: float) -> None: ...
+    def observe_answer(self, model: str, seconds: float, deadline_s: float) -> None: ...  # a 200, and its time budget
 
 
 class TelemetryFanout:
@@ -33,3 +34,7 @@ class TelemetryFanout:
     def observe_batch(self, model: str, size: int, seconds: float) -> None:
         for sink in self.sinks:
             sink.observe_batch(model, size, seconds)
+
+    def observe_answer(self, model: str, seconds: float, deadline_s: float) -> None:
+        for sink in self.sinks:
+            sink.observe_answer(model, seconds, deadline_s)
