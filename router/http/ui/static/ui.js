@@ -243,8 +243,9 @@
     set(card, "weights", fmtBytes(d.weights_bytes), d.weights_bytes);
     set(card, "reserved", fmtBytes(d.reserved_bytes), d.reserved_bytes);
     set(card, "peak", fmtBytes(d.peak_bytes), d.peak_bytes);
-    set(card, "high", `${fmtShare(d.high_watermark)} = ${fmtBytes(d.high_watermark * d.budget_bytes)}`, d.high_watermark);
-    set(card, "low", `${fmtShare(d.low_watermark)} = ${fmtBytes(d.low_watermark * d.budget_bytes)}`, d.low_watermark);
+    const mark = (share) => `${+(100 * share).toFixed(1)}% = ${fmtBytes(share * d.budget_bytes)}`;
+    set(card, "high", mark(d.high_watermark), d.high_watermark);
+    set(card, "low", mark(d.low_watermark), d.low_watermark);
     set(card, "running", String(d.running_batches), d.running_batches);
     set(card, "probe-errors", String(d.probe_errors), d.probe_errors);
     set(card, "restarts", String(d.restarts), d.restarts);
