@@ -40,10 +40,11 @@ def parse_text(line: str) -> dict[str, object]:
 
 
 def test_text_and_json_carry_the_same_fields() -> None:
+    record = access_record()
     token = request_id_var.set("req-42")
     try:
-        as_json = json.loads(JsonFormatter().format(access_record()))
-        text = TextFormatter().format(access_record())
+        as_json = json.loads(JsonFormatter().format(record))
+        text = TextFormatter().format(record)
     finally:
         request_id_var.reset(token)
     assert text.split(": request ", 1)[1].startswith("model=m request_id=req-42 method=POST path=/models/m/predict "

@@ -23,7 +23,13 @@
   let timer = null;
   let inflight = false;
   const $ = (id) => document.getElementById(id);
-  const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+  // Theme colours, read once (reading computed style after DOM changes costs a style pass each time).
+  const colours = new Map();
+  const css = (name) => {
+    if (!colours.has(name)) colours.set(name, getComputedStyle(document.documentElement).getPropertyValue(name).trim());
+    return colours.get(name);
+  };
+  matchMedia("(prefers-color-scheme: dark)").addEventListener("change", () => { colours.clear(); if (history.length) render(); });
 
   function clamp(value, low, high) { return Math.min(high, Math.max(low, value)); }
 
