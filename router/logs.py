@@ -18,7 +18,8 @@ __all__ = ["JsonFormatter", "LogFormat", "TextFormatter", "configure_logging", "
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
-_RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+# Record attributes that are not fields; uvicorn's `color_message` repeats the message with ANSI codes.
+_RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "color_message"}
 
 
 LogFormat = Literal["auto", "json", "text"]
