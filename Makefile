@@ -8,13 +8,17 @@ TORCH  := torch==2.14.1 torchvision==0.29.1
 CONFIG ?= config/fleet.yaml
 DEMO   := model_store/yolov8n.pt model_store/resnet18.pt
 
-.PHONY: serve test check gpu-check bench clean
+.PHONY: serve test test-tools check gpu-check bench clean
 
 serve: $(VENV)/.serve $(DEMO)
 	$(BIN)/model-router serve --config $(CONFIG)
 
-test: $(VENV)/.test $(DEMO)
+test: $(VENV)/.test $(DEMO) test-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Debian's prometheus (with promtool) and chromium for the operators' view tests; see the script.
+test-tools:
+	@bash scripts/test-tools.sh
 
 check: $(VENV)/.serve
 	$(BIN)/model-router check --config $(CONFIG)
@@ -23,7 +27,7 @@ gpu-check: $(VENV)/.test
 	bash scripts/gpu-check.sh
 
 # Every contender on every workload, about 7 minutes on 2 cores; see benchmarks/run.py.
-bench: $(VENV)/.test $(VENV)/.bench $(DEMO)
+bench: $(VENV)/.test $(VENV)/.bench $(DEMO) test-tools
 	$(BIN)/python -m benchmarks.run
 
 $(BIN)/python:

@@ -88,6 +88,13 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
         added = None if router is None else router - direct
         targets.append(_target("tiny: router p50 - direct p50 at concurrency 1 (ms)", added, 2.0, at_most=True,
                                detail=f"router {router} ms over HTTP, direct call {direct} ms"))
+    page = results.get("page_overhead", {})
+    if "ratio" in page:
+        targets.append(_target("tiny at c=32: throughput with /ui open in a browser / without (median of rounds)",
+                               page["ratio"], 0.95,
+                               detail=f"without {page['without_rps']} rps, with {page['with_page_rps']} rps; "
+                                      f"router CPU per request with / without {page['cpu_per_request_ratio']}; "
+                                      f"the page's Chromium used {page['browser_cpu_share']} of a core"))
     return targets
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import psutil
 
+from benchmarks.browser import Browser, chromium_binary
 from benchmarks.report import evaluate, plot, render
 from benchmarks.residency import run_residency
 from benchmarks.systems import SYSTEMS, RssSampler, Server, request_target, serve
@@ -143,6 +144,57 @@ def run_workload(workload: Workload, store: Path, scratch: Path, plan: Plan, swe
     return out
 
 
+def page_overhead(store: Path, scratch: Path, plan: Plan, rounds: int = 4) -> dict[str, Any]:
+    """The tiny workload at saturation (the router's own work is all there is, so anything else on the
+    cores shows) with the live page open in headless Chromium on the same machine, polling /ui/state
+    every second, and with the same browser on a blank page. The two alternate (ABBA) on one server;
+    the figures are medians of each round's ratio, since other work on the machine drifts: throughput,
+    and the router's CPU time per request, which such drift disturbs less."""
+    if chromium_binary() is None:
+        return {"skipped": "chromium is not installed (make test-tools installs it as root)"}
+    workload = WORKLOADS["tiny"]
+    target = request_target("router", workload, scratch)
+    rps: dict[bool, list[float]] = {False: [], True: []}
+    cpu_ms: dict[bool, list[float]] = {False: [], True: []}  # router CPU per request
+    page_cpu_s = 0.0
+    with serve("router", workload, store, scratch) as server, Browser() as browser:
+        closed(server, target, 2, plan.warm_s)
+        router, chromium = psutil.Process(server.process.pid), psutil.Process(browser.pid)
+        for round_ in range(rounds):
+            for page_open in (False, True) if round_ % 2 == 0 else (True, False):
+                browser.goto(f"{server.url}/ui" if page_open else "about:blank")
+                if page_open:
+                    browser.wait_for("!!document.querySelector('[data-model]')")
+                before = _cpu_seconds(router), _cpu_seconds(chromium)
+                report = closed(server, target, 32, plan.closed_s)
+                rps[page_open].append(report["throughput_rps"])
+                cpu_ms[page_open].append(round(1000 * (_cpu_seconds(router) - before[0]) / max(1, report["requests"]), 4))
+                if page_open:
+                    page_cpu_s += _cpu_seconds(chromium) - before[1]
+    return {"workload": workload.name, "concurrency": 32, "without_rps": rps[False], "with_page_rps": rps[True],
+            "ratio": _median_ratio(rps[True], rps[False]), "router_cpu_ms_per_request": cpu_ms,
+            "cpu_per_request_ratio": _median_ratio(cpu_ms[True], cpu_ms[False]),
+            "browser_cpu_share": round(page_cpu_s / (rounds * plan.closed_s), 3)}
+
+
+def _median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    ratios = sorted(a / b for a, b in zip(numerators, denominators, strict=True) if b)
+    middle = len(ratios) // 2
+    return round(ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2, 3)
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    """User and system CPU of a process and its children so far."""
+    total = 0.0
+    for each in [process, *process.children(recursive=True)]:
+        try:
+            times = each.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def _brief(runs: dict[str, Any]) -> str:
     return "; ".join(f"{k} {r['throughput_rps']} rps p50 {r['ok_ms']['p50']} ms {r['statuses']}"
                      for k, r in runs.items())
@@ -168,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--store", type=Path, default=REPO / "model_store")
     parser.add_argument("--workload", action="append", choices=sorted([*WORKLOADS, "residency"]), help="default: all")
+    parser.add_argument("--skip-page", action="store_true", help="skip throughput with the live page open")
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
     scratch = args.out / "scratch"  # fleet files, request bodies and server logs of this run only
@@ -183,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         results["workloads"][name] = run_workload(WORKLOADS[name], args.store.resolve(), scratch, plan,
                                                   sweep=name == "resnet18")
+    if not args.skip_page:
+        results["page_overhead"] = page_overhead(args.store.resolve(), scratch, plan)
+        print(f"[page] {results['page_overhead']}", flush=True)
     results["targets"] = evaluate(results)
     results["load_average_end"] = [round(x, 2) for x in psutil.getloadavg()]  # other work on the machine shows here
     results["wall_s"] = round(time.monotonic() - started, 1)

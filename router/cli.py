@@ -40,7 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from router.serving.runtime import Runtime
 
     settings = _settings(args)
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     try:
         plan = build_plan(settings.config)
         policy = access_policy(settings)

@@ -1,4 +1,5 @@
-"""Structured JSON logs. Each record carries the request id of the request being served, if any."""
+"""Structured logs: JSON lines, or readable text lines on a terminal, with the same fields either way.
+Each record carries the request id of the request being served, if any."""
 
 from __future__ import annotations
 
@@ -10,34 +11,72 @@ import queue
 import sys
 import time
 from logging.handlers import QueueHandler, QueueListener
-from typing import Any
+from typing import Any, Literal, TextIO
 
-__all__ = ["JsonFormatter", "configure_logging", "request_id_var"]
+__all__ = ["JsonFormatter", "LogFormat", "TextFormatter", "configure_logging", "formatter_for", "record_fields",
+           "request_id_var"]
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
-_RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+# Record attributes that are not fields; uvicorn's `color_message` repeats the message with ANSI codes.
+_RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "color_message"}
+
+
+LogFormat = Literal["auto", "json", "text"]
+# Shown first on a text line, in this order, when present: who, what, how long.
+_LEADING = ("model", "request_id", "method", "path", "status", "duration_ms", "queue_wait_ms", "execution_ms", "batch_size")
+
+
+def record_fields(record: logging.LogRecord, formatter: logging.Formatter) -> dict[str, Any]:
+    """Time, level, logger, message, request_id and any `extra` fields of one record."""
+    entry: dict[str, Any] = {
+        "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+        "level": record.levelname.lower(),
+        "logger": record.name,
+        "message": record.getMessage(),
+    }
+    request_id = getattr(record, "request_id", None) or request_id_var.get()
+    if request_id:
+        entry["request_id"] = request_id
+    for key, value in record.__dict__.items():
+        if key not in _RESERVED and key not in entry and not key.startswith("_"):
+            entry[key] = value
+    if record.exc_info:
+        entry["exception"] = formatter.formatException(record.exc_info)
+    return entry
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, request_id and any `extra` fields."""
+    """One JSON object per line (see `record_fields`)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        request_id = getattr(record, "request_id", None) or request_id_var.get()
-        if request_id:
-            entry["request_id"] = request_id
-        for key, value in record.__dict__.items():
-            if key not in _RESERVED and key not in entry and not key.startswith("_"):
-                entry[key] = value
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, default=str)
+        return json.dumps(record_fields(record, self), default=str)
+
+
+class TextFormatter(logging.Formatter):
+    """One readable line: time, level, logger and message, then `key=value` for every other field,
+    the request's model, id, status and timings first. A traceback follows on its own lines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = record_fields(record, self)
+        exception = entry.pop("exception", None)
+        head = f"{entry.pop('ts')} {entry.pop('level').upper():<7} {entry.pop('logger')}: {entry.pop('message')}"
+        keys = [k for k in _LEADING if k in entry] + [k for k in entry if k not in _LEADING]
+        line = " ".join([head, *(f"{key}={_text_value(entry[key])}" for key in keys)])
+        return f"{line}\n{exception}" if exception else line
+
+
+def _text_value(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return json.dumps(text) if text == "" or any(c in text for c in ' "=\n') else text
+
+
+def formatter_for(fmt: LogFormat, stream: TextIO) -> logging.Formatter:
+    """`auto`: readable text on a terminal, JSON lines otherwise (a file, a pipe, a log collector)."""
+    if fmt == "auto":
+        isatty = getattr(stream, "isatty", None)
+        fmt = "text" if isatty is not None and isatty() else "json"
+    return TextFormatter() if fmt == "text" else JsonFormatter()
 
 
 class _DeferredHandler(QueueHandler):
@@ -53,13 +92,14 @@ class _DeferredHandler(QueueHandler):
 _listener: QueueListener | None = None
 
 
-def configure_logging(level: str = "info") -> None:
-    """JSON lines on stderr, written by a background thread; flushed when the process exits."""
+def configure_logging(level: str = "info", fmt: LogFormat = "auto") -> None:
+    """Lines on stderr in `fmt` (see `formatter_for`), written by a background thread; flushed when the
+    process exits."""
     global _listener
     if _listener is not None:
         _listener.stop()
     writer = logging.StreamHandler(sys.stderr)
-    writer.setFormatter(JsonFormatter())
+    writer.setFormatter(formatter_for(fmt, sys.stderr))
     records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
     _listener = QueueListener(records, writer, respect_handler_level=False)
     _listener.start()

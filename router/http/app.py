@@ -27,6 +27,7 @@ from router.http.kserve.routes import v2_router
 from router.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.http.metrics import RouterMetrics
 from router.http.request_state import mark_received, received_at, runtime_of
+from router.http.ui import ui_router
 from router.logs import request_id_var
 from router.sdk.plugin import Payload
 from router.serving.runtime import Runtime
@@ -200,7 +201,7 @@ def request_id_middleware(app: ASGIApp) -> ASGIApp:
 
 def _access_line(scope: Scope, status: int, seconds: float) -> None:
     path = scope.get("path", "")
-    if path in ("/metrics", "/health/live", "/health/ready"):
+    if path in ("/metrics", "/health/live", "/health/ready", "/ui/state"):  # polled: not worth a line each
         return
     fields: dict[str, Any] = {"method": scope.get("method"), "path": path[:256], "status": status or 499,
                               "duration_ms": round(seconds * 1000, 3)}
@@ -234,7 +235,7 @@ def create_app(
             await runtime.stop()
 
     app = Litestar(
-        route_handlers=[predict, list_models, show_model, live, ready, metrics, *ADMIN_ROUTES, v2_router],
+        route_handlers=[predict, list_models, show_model, live, ready, metrics, *ADMIN_ROUTES, v2_router, ui_router],
         lifespan=[lifespan],
         middleware=[request_id_middleware],
         exception_handlers={Exception: _error_response},

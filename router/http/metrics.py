@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+import psutil
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -62,6 +63,16 @@ class RouterMetrics:
             "model_router_request_seconds", "End-to-end time inside the router, by model.", ["model"],
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )
+        self.answer_latency = Histogram(
+            "model_router_answer_seconds", "Time inside the router of requests answered 200, by model.", ["model"],
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.within_deadline = Counter(
+            "model_router_answers_within_deadline", "Requests answered 200 within their deadline (the SLO's numerator).",
+            ["model"], registry=self.registry,
+        )
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        self.registry.register(_HostCollector())
 
     def observe_batch(self, model: str, size: int, seconds: float) -> None:
         self.batch_size.labels(model).observe(size)
@@ -85,9 +96,16 @@ class RouterMetrics:
     def observe_cold_wait(self, model: str, seconds: float) -> None:
         self.cold_waits.labels(model).observe(seconds)
 
+    def observe_answer(self, model: str, seconds: float, deadline_s: float) -> None:
+        self.answer_latency.labels(model).observe(seconds)
+        if seconds <= deadline_s:
+            self.within_deadline.labels(model).inc()
+
     def bind(self, runtime: Runtime) -> None:
         """Receive the runtime's events and read its state at scrape time."""
         runtime.add_telemetry(self)
+        for name in runtime.model_names():  # a ratio's numerator exists (at 0) before its first event
+            self.within_deadline.labels(name)
         self.registry.register(_StateCollector(lambda: runtime))
 
     def render(self) -> bytes:
@@ -129,6 +147,14 @@ def _device_families(runtime: Runtime) -> Iterable[Metric]:
     total = GaugeMetricFamily("model_router_device_memory_total_bytes", "Last probe reading: total.", labels=["device"])
     paused = GaugeMetricFamily("model_router_admission_paused", "1 while admission is paused.", labels=["device"])
     running = GaugeMetricFamily("model_router_running_batches", "Batches running on the device.", labels=["device"])
+    high = GaugeMetricFamily("model_router_device_high_watermark_ratio", "Admission pauses above this share of the budget.",
+                             labels=["device"])
+    low = GaugeMetricFamily("model_router_device_low_watermark_ratio", "Admission resumes below this share of the budget.",
+                            labels=["device"])
+    probe_errors = CounterMetricFamily("model_router_probe_errors", "Failed or implausible memory probe readings.",
+                                       labels=["device"])
+    restarts = CounterMetricFamily("model_router_scheduler_restarts", "Restarts of the device's scheduler loop after a crash.",
+                                   labels=["device"])
     for info in runtime.devices():
         if not info.available:
             continue
@@ -139,7 +165,23 @@ def _device_families(runtime: Runtime) -> Iterable[Metric]:
         budget.add_metric([device], info.budget_bytes)
         paused.add_metric([device], 1 if info.paused else 0)
         running.add_metric([device], info.running_batches)
+        high.add_metric([device], info.high_watermark)
+        low.add_metric([device], info.low_watermark)
+        probe_errors.add_metric([device], info.probe_errors)
+        restarts.add_metric([device], info.restarts)
         if info.used_bytes is not None and info.total_bytes is not None:
             used.add_metric([device], info.used_bytes)
             total.add_metric([device], info.total_bytes)
-    yield from (reserved, weights, peak, budget, used, total, paused, running)
+    yield from (reserved, weights, peak, budget, used, total, paused, running, high, low, probe_errors, restarts)
+
+
+class _HostCollector(Collector):
+    """Host CPU time by mode (psutil), for the dashboard's host CPU panel where no node exporter runs."""
+
+    def collect(self) -> Iterable[Metric]:
+        seconds = CounterMetricFamily("model_router_host_cpu_seconds", "Host CPU time by mode, all cores.", labels=["mode"])
+        for mode, value in psutil.cpu_times()._asdict().items():
+            seconds.add_metric([mode], value)
+        cpus = GaugeMetricFamily("model_router_host_cpus", "Logical CPUs of the host.")
+        cpus.add_metric([], psutil.cpu_count() or 1)
+        yield from (seconds, cpus)

@@ -321,6 +321,7 @@ class Runtime:
         try:
             answer = await self._submit(deployment, payload, priority, timeout_ms, request_id, started)
             outcome = "ok"
+            self.telemetry.observe_answer(deployment.name, self.clock() - started, check_timeout(deployment, timeout_ms))
             return answer
         except (RouterError, asyncio.CancelledError) as exc:
             outcome = outcome_of(exc)

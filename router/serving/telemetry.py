@@ -17,6 +17,7 @@ class Telemetry(Protocol):
     def observe_load(self, model: str, device: str, seconds: float, ok: bool) -> None: ...
     def observe_eviction(self, model: str, device: str, kind: str) -> None: ...
     def observe_cold_wait(self, model: str, seconds: float) -> None: ...  # a request waited for a load
+    def observe_answer(self, model: str, seconds: float, deadline_s: float) -> None: ...  # a 200, and its time budget
 
 
 class TelemetryFanout:
@@ -48,3 +49,6 @@ class TelemetryFanout:
     def observe_cold_wait(self, model: str, seconds: float) -> None:
         for sink in self.sinks:
             sink.observe_cold_wait(model, seconds)
+    def observe_answer(self, model: str, seconds: float, deadline_s: float) -> None:
+        for sink in self.sinks:
+            sink.observe_answer(model, seconds, deadline_s)

@@ -1,0 +1,96 @@
+"""What the live page shows, as one compact JSON document: the only place the page reads the router.
+
+Everything comes from the runtime's snapshots (`models()`, `devices()`) and the Prometheus
+registry's cumulative histograms; the page turns counts into rates and windowed percentiles
+itself, from the difference between two polls.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import Counter, Histogram
+
+from router import __version__
+from router.http.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, RouterMetrics
+from router.serving.runtime import Runtime
+from router.serving.snapshots import DeviceInfo
+
+__all__ = ["RESIDENCY_FIELDS", "fleet_state"]
+
+#: Fields a dynamic fleet adds to a model's snapshot; shown when present.
+RESIDENCY_FIELDS = ("residency",)
+_MODEL_FIELDS = ("name", "state", "error", "devices", "required", "requests")
+
+
+def fleet_state(runtime: Runtime, metrics: RouterMetrics) -> dict[str, Any]:
+    """Devices, models and cumulative histograms, at this moment."""
+    latency = _buckets(metrics.answer_latency)
+    queue_wait = _buckets(metrics.queue_wait)
+    batch_size = _buckets(metrics.batch_size)
+    within_deadline = _totals(metrics.within_deadline)
+    models = []
+    for info in runtime.models():
+        described = info.as_dict()
+        name = info.name
+        model: dict[str, Any] = {key: described.get(key) for key in _MODEL_FIELDS}
+        model.update({key: described[key] for key in RESIDENCY_FIELDS if described.get(key) is not None})
+        model["queue"] = {"depth": info.queue_depth, "capacity": info.queue_capacity, "timeout_ms": info.queue_timeout_ms}
+        model["batch"] = {"max_size": info.batch_max_size, "effective_max_size": described["batch"]["effective_max_size"]}
+        model["instances"] = [{"device": i.device, "state": i.state, "busy": i.busy, "batches": i.batches}
+                              for i in info.instances]
+        model["within_deadline"] = within_deadline.get(name, 0)
+        model["histograms"] = {"latency": latency.get(name), "queue_wait": queue_wait.get(name),
+                               "batch_size": batch_size.get(name)}
+        models.append(model)
+    devices = runtime.devices()
+    return {
+        "time": time.time(),
+        "version": __version__,
+        "ready": runtime.ready,
+        "draining": runtime.draining,
+        "buckets": {"latency": list(LATENCY_BUCKETS), "queue_wait": list(LATENCY_BUCKETS),
+                    "batch_size": list(BATCH_BUCKETS)},
+        "devices": [_device(device) for device in devices if device.available],
+        "device_errors": {device.name: device.error for device in devices if not device.available},
+        "models": models,
+    }
+
+
+def _device(device: DeviceInfo) -> dict[str, Any]:
+    return {
+        "name": device.name,
+        "budget_bytes": device.budget_bytes,
+        "used_bytes": device.used_bytes,
+        "total_bytes": device.total_bytes,
+        "weights_bytes": device.weights_bytes,
+        "reserved_bytes": device.reserved_bytes,
+        "peak_bytes": device.peak_bytes,
+        "high_watermark": device.high_watermark,
+        "low_watermark": device.low_watermark,
+        "paused": device.paused,
+        "running_batches": device.running_batches,
+        "probe_errors": device.probe_errors,
+        "restarts": device.restarts,
+    }
+
+
+def _buckets(histogram: Histogram) -> dict[str, dict[str, Any]]:
+    """Per model: cumulative bucket counts (one per bound, +Inf last), total count and sum."""
+    out: dict[str, dict[str, Any]] = {}
+    for family in histogram.collect():
+        for sample in family.samples:
+            entry = out.setdefault(sample.labels["model"], {"counts": [], "count": 0, "sum": 0.0})
+            if sample.name.endswith("_bucket"):
+                entry["counts"].append(int(sample.value))
+            elif sample.name.endswith("_count"):
+                entry["count"] = int(sample.value)
+            elif sample.name.endswith("_sum"):
+                entry["sum"] = round(sample.value, 6)
+    return out
+
+
+def _totals(counter: Counter) -> dict[str, int]:
+    return {sample.labels["model"]: int(sample.value) for family in counter.collect()
+            for sample in family.samples if sample.name.endswith("_total")}

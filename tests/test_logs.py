@@ -1,0 +1,88 @@
+"""Log lines: JSON off a terminal, readable text on one (or as MODEL_ROUTER_LOG_FORMAT says), with
+the same fields either way."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pty
+import re
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from router.logs import JsonFormatter, TextFormatter, formatter_for, request_id_var
+from tests.conftest import serve
+
+ACCESS = {"method": "POST", "path": "/models/m/predict", "status": 200, "duration_ms": 12.5, "model": "m",
+          "input_bytes": 14, "queue_wait_ms": 1.25, "batch_size": 4, "execution_ms": 8.0, "note": "two words"}
+
+
+def access_record() -> logging.LogRecord:
+    record = logging.LogRecord("router.access", logging.INFO, __file__, 1, "request", None, None)
+    record.__dict__.update(ACCESS)
+    return record
+
+
+def parse_text(line: str) -> dict[str, object]:
+    """A text line back into fields: `TS LEVEL LOGGER: MESSAGE key=value ...` (values JSON-quoted when needed)."""
+    head = re.match(r"^(\S+) (\w+)\s+(\S+): (\S+)", line)
+    assert head, line
+    fields: dict[str, object] = dict(zip(("ts", "level", "logger", "message"), head.groups(), strict=True))
+    fields["level"] = str(fields["level"]).lower()
+    for key, value in re.findall(r' (\w+)=("(?:[^"\\]|\\.)*"|\S+)', line[head.end():]):
+        fields[key] = json.loads(value) if value.startswith('"') else value
+    return fields
+
+
+def test_text_and_json_carry_the_same_fields() -> None:
+    record = access_record()
+    token = request_id_var.set("req-42")
+    try:
+        as_json = json.loads(JsonFormatter().format(record))
+        text = TextFormatter().format(record)
+    finally:
+        request_id_var.reset(token)
+    assert text.split(": request ", 1)[1].startswith("model=m request_id=req-42 method=POST path=/models/m/predict "
+                                                      "status=200 duration_ms=12.5 queue_wait_ms=1.25 execution_ms=8.0")
+    assert parse_text(text) == {key: value if isinstance(value, str) else json.dumps(value)
+                                for key, value in as_json.items()}
+
+
+def test_an_exception_follows_its_text_line() -> None:
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord("router", logging.ERROR, __file__, 1, "failed", None, sys.exc_info())
+    first, *rest = TextFormatter().format(record).splitlines()
+    assert first.endswith("router: failed") and rest[-1] == "ValueError: boom"
+
+
+def test_auto_means_text_on_a_terminal_and_json_elsewhere() -> None:
+    leader, follower = pty.openpty()
+    try:
+        with os.fdopen(follower, "w", closefd=False) as terminal:
+            assert isinstance(formatter_for("auto", terminal), TextFormatter)
+            assert isinstance(formatter_for("json", terminal), JsonFormatter)
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert isinstance(formatter_for("auto", io.StringIO()), JsonFormatter)
+    assert isinstance(formatter_for("text", io.StringIO()), TextFormatter)
+
+
+@pytest.mark.e2e
+def test_a_server_writes_readable_lines_when_asked(tmp_path: Path) -> None:
+    with serve(tmp_path, "models:\n  m: {plugin: scripted}\n", env={"MODEL_ROUTER_LOG_FORMAT": "text"}) as server:
+        answer = httpx.post(f"{server.url}/models/m/predict", json={"id": "a"}, headers={"X-Request-ID": "text-1"})
+        assert answer.status_code == 200
+        server.stop()
+    lines = server.log().splitlines()
+    assert not any(line.startswith("{") for line in lines)
+    (access,) = [parse_text(line) for line in lines if "request_id=text-1" in line and ": request " in line]
+    assert access["status"] == "200" and access["model"] == "m" and access["level"] == "info"
+    assert {"duration_ms", "queue_wait_ms", "execution_ms", "batch_size"} <= access.keys()
