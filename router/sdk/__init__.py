@@ -12,17 +12,31 @@ from __future__ import annotations
 from typing import Any
 
 from router.errors import DeviceOutOfMemory, InputError, PayloadTooLarge, UnsupportedMediaType
-from router.sdk.images import ACCEPTED_MEDIA_TYPES, DEFAULT_MAX_PIXELS, decode_image, example_jpeg, image_size
+from router.sdk.images import (
+    ACCEPTED_MEDIA_TYPES,
+    DEFAULT_MAX_ASPECT_RATIO,
+    DEFAULT_MAX_PIXELS,
+    ImageHeader,
+    OpenedImage,
+    decode_image,
+    example_jpeg,
+    image_size,
+    open_image,
+    reduction_for,
+)
 from router.sdk.plugin import MemoryEstimate, ModelPlugin, NoOptions, Payload, PluginContext
 
 __all__ = [
     "ACCEPTED_MEDIA_TYPES",
+    "DEFAULT_MAX_ASPECT_RATIO",
     "DEFAULT_MAX_PIXELS",
     "DeviceOutOfMemory",
+    "ImageHeader",
     "InputError",
     "MemoryEstimate",
     "ModelPlugin",
     "NoOptions",
+    "OpenedImage",
     "Payload",
     "PayloadTooLarge",
     "PluginContext",
@@ -31,6 +45,8 @@ __all__ = [
     "decode_image",
     "example_jpeg",
     "image_size",
+    "open_image",
+    "reduction_for",
     "tensor_bytes",
 ]
 
