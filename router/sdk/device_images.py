@@ -85,7 +85,7 @@ def decode_on_device(items: Sequence[EncodedJpeg], device: torch.device) -> list
     """Decode the JPEGs on `device`, in one call on CUDA: RGB uint8 (3, H, W) each, EXIF orientation
     applied. Should the batched call fail, each JPEG is decoded alone, on the host if the device
     refuses it; only a JPEG that no decoder reads raises (RuntimeError)."""
-    from torchvision.io import ImageReadMode, decode_jpeg
+    from torchvision.io import ImageReadMode, decode_jpeg  # type: ignore[import-untyped]
 
     if not items:
         return []
@@ -103,10 +103,12 @@ def decode_on_device(items: Sequence[EncodedJpeg], device: torch.device) -> list
 def _decode_one(item: EncodedJpeg, device: torch.device) -> torch.Tensor:
     from torchvision.io import ImageReadMode, decode_jpeg
 
+    image: torch.Tensor
     try:
-        return decode_jpeg(item.data, mode=ImageReadMode.RGB, device=device)
+        image = decode_jpeg(item.data, mode=ImageReadMode.RGB, device=device)
     except RuntimeError:
-        return decode_jpeg(item.data, mode=ImageReadMode.RGB).to(device)
+        image = decode_jpeg(item.data, mode=ImageReadMode.RGB).to(device)
+    return image
 
 
 def orient_chw(image: torch.Tensor, orientation: int) -> torch.Tensor:
