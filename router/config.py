@@ -300,7 +300,7 @@ class ServerSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024)
     drain_timeout_s: float = Field(30.0, ge=0)
-    cpu_workers: int = Field(0, ge=0, le=1024, description="preprocessing threads; 0 = half the CPU cores, at least 1")
+    cpu_workers: int = Field(0, ge=0, le=1024, description="preprocessing threads; 0 = number of CPU cores")
     torch_threads: int = Field(0, ge=0, le=1024, description="torch intra-op threads; 0 = number of CPU cores")
     api_keys: str | None = Field(None, description="comma-separated bearer keys for inference routes")
     api_keys_file: Path | None = Field(None, description="a file with one inference key a line")
