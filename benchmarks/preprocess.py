@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -76,8 +76,8 @@ def variants() -> dict[str, dict[str, Callable[[Payload], Any]]]:
     from model_router_yolo.processing import DetectSettings, YoloProcessing
     from ultralytics.data.augment import LetterBox
 
-    def yolo(mode: str) -> Callable[[Payload], Any]:
-        return YoloProcessing(640, 32, [str(i) for i in range(80)], DetectSettings(), decode_mode=mode).preprocess  # type: ignore[arg-type]
+    def yolo(mode: Literal["exact", "fast"]) -> Callable[[Payload], Any]:
+        return YoloProcessing(640, 32, [str(i) for i in range(80)], DetectSettings(), decode_mode=mode).preprocess
 
     return {
         "resnet": {"before": old_resnet, "exact": ClassifyProcessing().preprocess,
