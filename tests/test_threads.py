@@ -17,12 +17,17 @@ def test_settings_win_and_zero_means_every_core(cores: int, workers: int, torch_
     assert plan_threads(cores, workers, torch_threads) == expected
 
 
-def test_apply_sets_torch_and_opencv_and_the_cores_are_this_process_s() -> None:
-    before = torch.get_num_threads(), cv2.getNumThreads()
+def test_apply_sets_torch_and_the_cores_are_this_process_s() -> None:
+    before = torch.get_num_threads()
     try:
         apply_threads(ThreadPlan(cores=2, cpu_workers=2, torch_threads=1))
-        assert (torch.get_num_threads(), cv2.getNumThreads()) == (1, 1)
+        assert torch.get_num_threads() == 1
     finally:
-        torch.set_num_threads(before[0])
-        cv2.setNumThreads(before[1])
+        torch.set_num_threads(before)
     assert 1 <= available_cores()
+
+
+def test_opencv_decodes_single_threaded_inside_a_pool_thread() -> None:
+    from router.sdk.images import _cv2
+
+    assert _cv2() is cv2 and cv2.getNumThreads() == 1

@@ -289,11 +289,13 @@ def _other_format(body: bytes) -> str | None:
 
 @functools.cache
 def _cv2() -> ModuleType | None:
-    """OpenCV, when installed (the bundled vision plugins depend on it); imported on first use."""
+    """OpenCV, when installed (the bundled vision plugins depend on it); imported on first use,
+    single-threaded: decoding runs one image per thread of the CPU pool, which is the parallelism."""
     try:
         import cv2
     except ImportError:
         return None
+    cv2.setNumThreads(1)
     return cv2
 
 

@@ -4,15 +4,17 @@ Three kinds of threads run on the host: the CPU pool (decoding and pre/post-proc
 per thread), torch's intra-op threads (one batch spread over them), and one thread per model
 instance (which only waits while a batch runs on a GPU). On the CPU device the scheduler runs one
 batch at a time (`devices.cpu.max_concurrent_batches`, default 1), so torch's threads are the
-only ones a batch uses. OpenCV runs single-threaded inside a pool thread: the pool is the
-parallelism. `plan_threads` is the pure decision; `apply_threads` carries it out once, at start.
+only ones a batch uses. OpenCV runs single-threaded inside a pool thread (router.sdk.images sets
+that when it first imports OpenCV): the pool is the parallelism. `plan_threads` is the pure
+decision; `apply_threads` carries it out once, at start, without importing what the fleet's
+plugins did not.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 __all__ = ["ThreadPlan", "apply_threads", "plan_threads"]
@@ -25,7 +27,6 @@ class ThreadPlan:
     cores: int
     cpu_workers: int  # the CPU pool
     torch_threads: int  # torch's intra-op threads, shared by every batch on the CPU
-    opencv_threads: int = 1
 
 
 def plan_threads(cores: int, cpu_workers: int = 0, torch_threads: int = 0) -> ThreadPlan:
@@ -47,14 +48,8 @@ def available_cores() -> int:
 
 
 def apply_threads(plan: ThreadPlan) -> None:
-    """Set torch's and OpenCV's thread counts, where they are installed; log the plan once."""
-    if importlib.util.find_spec("torch") is not None:
-        import torch
-
+    """Set torch's thread count where the fleet's plugins use torch (imported by now); log the plan once."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
         torch.set_num_threads(plan.torch_threads)
-    if importlib.util.find_spec("cv2") is not None:
-        import cv2
-
-        cv2.setNumThreads(plan.opencv_threads)
-    log.info("threads: %d core(s); CPU pool %d, torch intra-op %d, OpenCV %d per pool thread",
-             plan.cores, plan.cpu_workers, plan.torch_threads, plan.opencv_threads)
+    log.info("threads: %d core(s); CPU pool %d, torch intra-op %d", plan.cores, plan.cpu_workers, plan.torch_threads)
