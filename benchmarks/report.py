@@ -58,6 +58,16 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
                                    _ratio(point["goodput_rps"], capacity), 0.8,
                                    detail=f"goodput {point['goodput_rps']} rps, capacity {capacity} rps; {statuses}; "
                                           f"503 without Retry-After: {point['rejected_without_retry_after']}"))
+        for plugin in ("resnet", "yolo"):
+            cost = w.get("preprocess", {}).get(f"{plugin} bus.jpg")
+            targets.append(_target(f"photo: {plugin} preprocessing of bus.jpg, before / after (one thread)",
+                                   None if cost is None else cost["speedup_exact"], 2.0,
+                                   detail="" if cost is None else f"{cost['ms']} ms"))
+        four = w.get("four_models")
+        if four is not None:
+            targets.append(_target("photo: four ResNet18 models round-robin / one model (c16)", four["ratio"], 0.9,
+                                   detail=f"{four['rps']} rps; per server CPU-second {four['per_cpu_s']} "
+                                          f"(ratio {four['ratio_per_cpu_s']})"))
     if "residency" in runs:
         w = runs["residency"]
         two, every = w["two_of_four"], w["all_resident"]

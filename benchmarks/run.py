@@ -141,6 +141,12 @@ def run_workload(workload: Workload, store: Path, scratch: Path, plan: Plan, swe
     if workload.name == "photo":
         out["capacity_rps"] = out["systems"]["router"]["closed"]["saturation"]["throughput_rps"]
         out["surge"] = surge_points(workload, store, scratch, plan, out["capacity_rps"])
+        out["preprocess"] = preprocess_costs(plan)
+        print(f"[photo] preprocessing, one thread: {out['preprocess']}", flush=True)
+        from benchmarks.fleets import four_models  # it uses this module's load generator
+
+        out["four_models"] = four_models(store, scratch, plan.closed_s, rounds=1 if plan.limit_s < 2 else 2)
+        print(f"[photo] four models on one device: {out['four_models']['rps']}", flush=True)
     return out
 
 
@@ -193,6 +199,14 @@ def _cpu_seconds(process: psutil.Process) -> float:
             continue
         total += times.user + times.system
     return total
+def preprocess_costs(plan: Plan) -> dict[str, Any]:
+    """benchmarks.preprocess in its own process (it pins torch and OpenCV to one thread)."""
+    rounds = "8" if plan.limit_s < 2 else "40"
+    command = [sys.executable, "-m", "benchmarks.preprocess", "--rounds", rounds]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"preprocessing benchmark failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
 def _brief(runs: dict[str, Any]) -> str:

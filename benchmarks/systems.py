@@ -81,13 +81,14 @@ def serve(system: str, workload: Workload, store: Path, scratch: Path, timeout_s
 
 
 @contextmanager
-def serve_router(fleet_yaml: str, scratch: Path, timeout_s: float = 300.0) -> Iterator[Server]:
-    """A router serving a whole fleet file (the GPU variant's several models on one card)."""
+def serve_router(fleet_yaml: str, scratch: Path, timeout_s: float = 300.0,
+                 env_extra: dict[str, str] | None = None) -> Iterator[Server]:
+    """A router serving a whole fleet file (several models on one device), with extra settings."""
     port = free_port()
     config = scratch / f"fleet-{port}.yaml"
     config.write_text(fleet_yaml, encoding="utf-8")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MODEL_ROUTER_HOST": "127.0.0.1",
-           "MODEL_ROUTER_PORT": str(port), "MODEL_ROUTER_CONFIG": str(config)}
+           "MODEL_ROUTER_PORT": str(port), "MODEL_ROUTER_CONFIG": str(config), **(env_extra or {})}
     with launch("router", [sys.executable, "-m", "router", "serve"], env, port, "/models", "/health/ready",
                 scratch / f"router-fleet-{port}.log", timeout_s) as server:
         yield server

@@ -38,6 +38,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from router.http.server import DrainingServer
     from router.logs import configure_logging
     from router.serving.runtime import Runtime
+    from router.serving.threads import apply_threads, available_cores, plan_threads
 
     settings = _settings(args)
     configure_logging(settings.log_level, settings.log_format)
@@ -47,7 +48,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"model-router: {exc}", file=sys.stderr)
         return 2
-    runtime = Runtime(plan, cpu_workers=settings.cpu_workers)
+    threads = plan_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
+    apply_threads(threads)
+    runtime = Runtime(plan, cpu_workers=threads.cpu_workers)
     app = create_app(runtime, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
                      access_policy=policy)
     if policy.enabled:

@@ -113,6 +113,16 @@ class DeviceConfig(_Strict):
     probe: Literal["auto", "nvml", "host", "process", "none"] = "auto"
     poll_interval_ms: float = Field(20.0, gt=0, description="probe re-read interval while work waits")
     max_concurrent_loads: int = Field(1, ge=1, le=64, description="model loads running at once on the device")
+    max_concurrent_batches: int | None = Field(
+        None, ge=1, le=1024, description="batches running at once on the device; default 1 on cpu, no limit on cuda"
+    )
+
+    def concurrent_batch_limit(self, device: str) -> int | None:
+        """The limit in force on `device`: the setting, else 1 on the CPU (a batch already uses
+        every core through torch's threads) and none on a GPU."""
+        if self.max_concurrent_batches is not None:
+            return self.max_concurrent_batches
+        return 1 if device == "cpu" else None
 
     @model_validator(mode="after")
     def _watermarks_ordered(self) -> DeviceConfig:
@@ -309,7 +319,8 @@ class ServerSettings(BaseSettings):
     log_format: Literal["auto", "json", "text"] = Field("auto", description="auto: text on a terminal, else JSON lines")
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024)
     drain_timeout_s: float = Field(30.0, ge=0)
-    cpu_workers: int = Field(0, ge=0, description="preprocessing threads; 0 = number of CPU cores")
+    cpu_workers: int = Field(0, ge=0, le=1024, description="preprocessing threads; 0 = number of CPU cores")
+    torch_threads: int = Field(0, ge=0, le=1024, description="torch intra-op threads; 0 = number of CPU cores")
     api_keys: str | None = Field(None, description="comma-separated bearer keys for inference routes")
     api_keys_file: Path | None = Field(None, description="a file with one inference key a line")
     admin_keys: str | None = Field(None, description="comma-separated bearer keys for state-changing routes")

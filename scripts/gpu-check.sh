@@ -3,6 +3,9 @@
 #   1. the `gpu`-marked tests: NVML probe vs CUDA, CUDA memory profiling, a real CUDA out-of-memory
 #      split and retried, residency on cuda:0 (on-demand models evicted by NVML, memory back), onnxruntime's CUDA provider with IO binding, TensorRT engines built and
 #      served against eager PyTorch (each skips, with its reason, where its library is missing);
+#      JPEG decode on the device (gpu_decode, nvJPEG): ResNet against torchvision's reference and
+#      YOLO against ultralytics' predict on the parity photos (tests/plugins/test_device_decode.py;
+#      not yet run on a GPU);
 #   2. scripts/gpu_engine_check.py: both demo models exported to ONNX, and to TensorRT where it is
 #      installed (ResNet in fp16), a short load of every engine through a real router beside its
 #      eager original with their answers compared at batch 1 and 8, and the scheduler's ledger

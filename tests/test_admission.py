@@ -222,3 +222,52 @@ def test_plans_never_exceed_device_or_model_budgets(scenario: tuple[list[Candida
         c = by_instance[a.instance]
         assert 1 <= a.size <= min(c.max_batch, c.queued)
         assert a.reserve_bytes == c.batch_bytes(a.size)
+
+
+# --- how many batches run at once on a device ----------------------------------------------------
+
+
+def limited(running: int, limit: int | None) -> DeviceState:
+    return DeviceState(budget_bytes=AMPLE, used_bytes=0, reserved_bytes=0, running_batches=running,
+                       max_concurrent_batches=limit)
+
+
+def test_a_device_at_its_batch_limit_admits_nothing_and_is_neither_paused_nor_blocked() -> None:
+    plan = plan_admission([cand("a"), cand("b")], limited(running=1, limit=1))
+
+    assert plan.admits == [] and not plan.paused and plan.blocked is None
+    assert "limit is 1" in plan.reason
+
+
+def test_the_batch_limit_admits_in_fair_order_up_to_the_free_slots() -> None:
+    candidates = [cand("a", share=3.0), cand("b", share=1.0), cand("c", share=2.0)]
+
+    plan = plan_admission(candidates, limited(running=1, limit=3))
+
+    assert [a.model for a in plan.admits] == ["b", "c"]
+
+
+def test_no_limit_admits_every_candidate_that_fits() -> None:
+    candidates = [cand("a"), cand("b"), cand("c")]
+
+    assert len(plan_admission(candidates, limited(running=5, limit=None)).admits) == 3
+
+
+@given(running=st.integers(0, 6), limit=st.integers(1, 6), count=st.integers(0, 6))
+def test_admitted_plus_running_never_exceeds_the_limit(running: int, limit: int, count: int) -> None:
+    candidates = [cand(f"m{i}", share=float(i)) for i in range(count)]
+
+    plan = plan_admission(candidates, limited(running=running, limit=limit))
+
+    assert len(plan.admits) == max(0, min(count, limit - running))
+
+
+@pytest.mark.parametrize("device_name, setting, expected", [
+    ("cpu", None, 1), ("cuda:0", None, None), ("cpu", 3, 3), ("cuda:1", 2, 2),
+])
+def test_the_limit_in_force_defaults_to_one_on_the_cpu_and_none_on_gpus(
+    device_name: str, setting: int | None, expected: int | None
+) -> None:
+    from router.config import DeviceConfig
+
+    assert DeviceConfig(max_concurrent_batches=setting).concurrent_batch_limit(device_name) == expected

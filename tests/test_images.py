@@ -14,7 +14,14 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from router.errors import InputError, PayloadTooLarge, RouterError, UnsupportedMediaType
-from router.sdk.images import ACCEPTED_MEDIA_TYPES, decode_image, example_jpeg
+from router.sdk.images import (
+    ACCEPTED_MEDIA_TYPES,
+    ImageHeader,
+    decode_image,
+    example_jpeg,
+    open_image,
+    reduction_for,
+)
 from router.sdk.plugin import Payload
 
 EXIF_ORIENTATION = 0x0112
@@ -266,3 +273,72 @@ def test_image_size_reads_only_the_header() -> None:
 
     assert image_size(png_header(100_000, 50_000)) == (100_000, 50_000)  # never decoded: 15 GB of pixels
     assert image_size(b"not an image") is None
+
+
+# --- the fast path: OpenCV for JPEG, orientation, DCT reduction, channel order, aspect ratio ----
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_every_exif_orientation_of_a_jpeg_matches_pillows_transpose(orientation: int) -> None:
+    from PIL import ImageOps
+
+    exif = Image.Exif()
+    exif[EXIF_ORIENTATION] = orientation
+    body = encode(Image.fromarray(photo(64, 48)), "JPEG", quality=95, exif=exif)
+    expected = np.asarray(ImageOps.exif_transpose(Image.open(io.BytesIO(body))).convert("RGB"))
+    opened = open_image(Payload(body, "image/jpeg"))
+    assert (opened.header.width, opened.header.height) == (expected.shape[1], expected.shape[0])
+    np.testing.assert_array_equal(opened.decode(), expected)
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_opencv_and_pillow_decode_a_jpeg_to_the_same_pixels(mode: str) -> None:
+    body = encode(Image.fromarray(photo(97, 61)).convert(mode), "JPEG", quality=90)
+    expected = np.asarray(Image.open(io.BytesIO(body)).convert("RGB"))
+    np.testing.assert_array_equal(decode_image(Payload(body, "image/jpeg")), expected)
+    np.testing.assert_array_equal(open_image(Payload(body, "image/jpeg")).decode(channels="BGR"), expected[:, :, ::-1])
+
+
+@pytest.mark.parametrize("reduce", [2, 4, 8])
+def test_a_reduced_jpeg_decode_has_the_sides_rounded_up_and_png_ignores_it(reduce: int) -> None:
+    jpeg = open_image(Payload(encode(Image.fromarray(photo(203, 101)), "JPEG"), "image/jpeg"))
+    assert jpeg.decode(reduce=reduce).shape == (-(-101 // reduce), -(-203 // reduce), 3)
+    png = open_image(Payload(encode(Image.fromarray(photo(203, 101)), "PNG"), "image/png"))
+    assert png.decode(reduce=reduce).shape == (101, 203, 3)
+    with pytest.raises(ValueError, match="reduce must be 1, 2, 4 or 8, got 3"):
+        jpeg.decode(reduce=3)
+
+
+@pytest.mark.parametrize("size, short, long, expected", [
+    ((4032, 3024), 256, 256, 8), ((4032, 3024), 640, 640, 4), ((810, 1080), 256, 256, 2),
+    ((810, 1080), 1, 640, 1), ((300, 200), 256, 256, 1),
+])
+def test_reduction_keeps_the_image_at_least_the_target(
+    size: tuple[int, int], short: int, long: int, expected: int
+) -> None:
+    header = ImageHeader("JPEG", size[0], size[1], 1, "RGB")
+    assert reduction_for(header, short, long) == expected
+    assert reduction_for(ImageHeader("PNG", size[0], size[1], 1, "RGB"), short, long) == 1
+
+
+@pytest.mark.parametrize("width, height", [(1, 4000), (4000, 1), (16383, 2), (1, 21), (2, 1000)])
+def test_images_more_elongated_than_the_limit_are_400_from_the_header(width: int, height: int) -> None:
+    short, long = sorted((width, height))
+    with pytest.raises(InputError, match=rf"image is {width}x{height}, an aspect ratio of .*; the limit is 20:1") as caught:
+        decode_image(Payload(png_header(width, height), "image/png"))
+    assert caught.value.status_code == 400 and long > 20 * short
+
+
+def test_the_aspect_ratio_limit_is_a_setting_and_allows_up_to_it() -> None:
+    body = encode(Image.fromarray(photo(200, 10)), "PNG")
+    assert decode_image(Payload(body, "image/png")).shape == (10, 200, 3)
+    with pytest.raises(InputError, match="the limit is 10:1"):
+        decode_image(Payload(body, "image/png"), max_aspect_ratio=10)
+
+
+def test_the_header_reports_size_as_displayed_and_decoded_bytes() -> None:
+    exif = Image.Exif()
+    exif[EXIF_ORIENTATION] = 6
+    header = open_image(Payload(encode(Image.fromarray(photo(64, 48)), "JPEG", exif=exif), "image/jpeg")).header
+    assert (header.format, header.width, header.height, header.orientation) == ("JPEG", 48, 64, 6)
+    assert header.decoded_bytes == 3 * 64 * 48

@@ -325,3 +325,19 @@ async def test_preprocessing_of_a_request_answered_before_a_worker_took_it_is_sk
         await blocking
         assert (await runtime.submit("m", ask("after"))).output == {"id": "after"}
     assert SlowPreprocess.calls == ["block", "after"]  # "late" was never preprocessed
+@pytest.mark.parametrize("setting, overlap", [("", False), ("max_concurrent_batches: 2", True)])
+async def test_the_device_decides_how_many_batches_run_at_once(tmp_path: Path, setting: str, overlap: bool) -> None:
+    record = tmp_path / "batches.jsonl"
+    model = """
+  {name}:
+    plugin: scripted
+    options: {{fixed_ms: 30, record: "{record}"}}
+    batch: {{max_size: 1}}
+    warmup: {{enabled: false}}
+"""
+    fleet = f"devices:\n  cpu: {{{setting}}}\nmodels:" + "".join(model.format(name=n, record=record) for n in "abc")
+    async with running(make_runtime(tmp_path, fleet)) as runtime:
+        await asyncio.gather(*(runtime.submit(m, ask(f"{m}{i}")) for i in range(4) for m in "abc"))
+    rows = sorted((json.loads(line) for line in record.read_text().splitlines()), key=lambda r: r["start"])
+    overlapped = any(b["start"] < a["end"] for a, b in zip(rows, rows[1:]))
+    assert len(rows) == 12 and overlapped is overlap

@@ -29,7 +29,8 @@ CLIENT_LAG_ALLOWANCE_MS = 300
 # parse and refuse while they also run the two load generators.
 MODELS = {"alpha": {"fixed_ms": 200, "per_item_ms": 5, "batch": 8, "queue": 64},
           "beta": {"fixed_ms": 150, "per_item_ms": 10, "batch": 4, "queue": 48}}
-FLEET = "models:\n" + "".join(
+# Simulated accelerators: their batches sleep with the GIL released, and overlap as on a GPU.
+FLEET = "devices:\n  cpu: {max_concurrent_batches: 8}\nmodels:\n" + "".join(
     f"  {name}:\n    plugin: scripted\n    options: {{fixed_ms: {m['fixed_ms']}, per_item_ms: {m['per_item_ms']}}}\n"
     f"    queue: {{max_size: {m['queue']}, timeout_ms: {int(DEADLINE_S * 1000)}}}\n"
     f"    batch: {{max_size: {m['batch']}, max_delay_ms: 5}}\n"

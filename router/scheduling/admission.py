@@ -38,6 +38,8 @@ class DeviceState:
     high_watermark: float = 0.9
     low_watermark: float = 0.8
     paused: bool = False  # the previous plan's pause state (hysteresis)
+    running_batches: int = 0  # batches running on the device now
+    max_concurrent_batches: int | None = None  # None: as many as memory allows
 
 
 @dataclass(frozen=True)
@@ -82,11 +84,16 @@ def _paused(device: DeviceState) -> bool:
 
 def plan_admission(candidates: Sequence[Candidate], device: DeviceState) -> Plan:
     """Admit batches while reading + reservations + estimate stays within the device budget and
-    each model's budget. Fair order by `share`; a head that cannot fit blocks those behind it."""
+    each model's budget, and while fewer than `max_concurrent_batches` run. Fair order by `share`;
+    a head that cannot fit blocks those behind it."""
     if device.used_bytes is None:
         return Plan(paused=True, reason="memory probe unavailable; admission paused")
     if _paused(device):
         return Plan(paused=True, reason="device memory above the high watermark; admission paused")
+    limit = device.max_concurrent_batches
+    slots = None if limit is None else limit - device.running_batches
+    if slots is not None and slots <= 0:
+        return Plan(reason=f"{device.running_batches} batch(es) running, the device's limit is {limit}")
     free = device.budget_bytes - device.used_bytes - device.reserved_bytes
     left = {c.model: c.queued for c in candidates}
     booked = {c.model: c.model_bytes for c in candidates}
@@ -106,4 +113,6 @@ def plan_admission(candidates: Sequence[Candidate], device: DeviceState) -> Plan
         free -= need
         left[c.model] -= n
         booked[c.model] += need
+        if slots is not None and len(admits) == slots:
+            return Plan(admits, reason=f"the device's limit of {limit} concurrent batch(es) is reached")
     return Plan(admits)

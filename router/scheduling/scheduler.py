@@ -107,6 +107,7 @@ class DeviceScheduler:
         self._event = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
+        self._active = 0  # batches dispatched and not yet returned (what the concurrency limit counts)
         self._stopping = False
         self._actions: ResidencyActions | None = None
         self.last_residency = ResidencyPlan()
@@ -190,7 +191,7 @@ class DeviceScheduler:
 
     @property
     def running_batches(self) -> int:
-        return len(self._running)
+        return self._active
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -292,6 +293,8 @@ class DeviceScheduler:
             high_watermark=self.config.high_watermark,
             low_watermark=self.config.low_watermark,
             paused=self.paused,
+            running_batches=self._active,
+            max_concurrent_batches=self.config.concurrent_batch_limit(self.device),
         )
 
     def _candidate(self, model: Model, key: str, estimate: MemoryEstimate | None, max_batch: int) -> Candidate:
@@ -359,6 +362,7 @@ class DeviceScheduler:
         nbytes = estimate.batch_bytes(len(tickets)) if estimate else 0
         reservation = self.ledger.reserve(model.name, nbytes)
         runner.begin_batch(len(tickets), now)
+        self._active += 1
         task = asyncio.create_task(self._run(model, runner, tickets, reservation))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
@@ -372,6 +376,7 @@ class DeviceScheduler:
             await runner.wait_idle()  # a stalled batch keeps its memory until its thread returns
         finally:
             self.ledger.release(reservation)
+            self._active -= 1  # before notify: the next step must see the slot free
             runner.end_batch()
             self._served(model.name).add(self.clock() - started, self.clock())
             self.notify()

@@ -19,11 +19,23 @@ from router.errors import DeviceOutOfMemory, InputError, PayloadTooLarge, Unsupp
 from router.sdk.demo import DEMO_FILES_GROUP, DemoFile, calibrate_batchnorm, synthetic_images
 from router.sdk.exporter import EXPORTERS_GROUP, Exporter, ExportError, ExportJob, Progress, SourceModel
 from router.sdk.files import partial_file
-from router.sdk.images import ACCEPTED_MEDIA_TYPES, DEFAULT_MAX_PIXELS, decode_image, example_jpeg, image_size
+from router.sdk.images import (
+    ACCEPTED_MEDIA_TYPES,
+    DEFAULT_MAX_ASPECT_RATIO,
+    DEFAULT_MAX_PIXELS,
+    ImageHeader,
+    OpenedImage,
+    decode_image,
+    example_jpeg,
+    image_size,
+    open_image,
+    reduction_for,
+)
 from router.sdk.plugin import PLUGINS_GROUP, MemoryEstimate, ModelPlugin, NoOptions, Payload, PluginContext
 
 __all__ = [
     "ACCEPTED_MEDIA_TYPES",
+    "DEFAULT_MAX_ASPECT_RATIO",
     "DEFAULT_MAX_PIXELS",
     "DEMO_FILES_GROUP",
     "EXPORTERS_GROUP",
@@ -33,10 +45,12 @@ __all__ = [
     "ExportError",
     "ExportJob",
     "Exporter",
+    "ImageHeader",
     "InputError",
     "MemoryEstimate",
     "ModelPlugin",
     "NoOptions",
+    "OpenedImage",
     "Payload",
     "PayloadTooLarge",
     "PluginContext",
@@ -49,7 +63,9 @@ __all__ = [
     "device_index",
     "example_jpeg",
     "image_size",
+    "open_image",
     "partial_file",
+    "reduction_for",
     "require_cuda_for_half",
     "synthetic_images",
     "tensor_bytes",

@@ -157,7 +157,7 @@ MB = 1_000_000
 MIXED_FLEET = """
 model_store: {store}
 devices:
-  cpu: {{probe: none, memory_budget: 100MB}}
+  cpu: {{probe: none, memory_budget: 100MB, max_concurrent_batches: 2}}  # the budget alone decides
 models:
   eager:
     plugin: resnet

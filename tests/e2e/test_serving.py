@@ -116,7 +116,7 @@ def test_timeout_header_cannot_lengthen_the_deadline(tmp_path: Path, record_file
 
 BUDGET_FLEET = """
 devices:
-  cpu: {{probe: none, memory_budget: 100MB}}
+  cpu: {{probe: none, memory_budget: 100MB, max_concurrent_batches: 2}}  # the budget alone decides
 models:
   first:
     plugin: scripted

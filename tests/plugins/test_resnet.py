@@ -20,7 +20,11 @@ from router.errors import InputError
 from router.sdk.plugin import Payload, PluginContext
 from router.serving.registry import PluginRegistry
 
-SCORE_TOLERANCE = 1e-4
+SCORE_TOLERANCE = 1e-4  # the router against itself (batching)
+# Against torchvision's float reference: the preprocessing resizes in uint8 fixed point (one level
+# in 255 apart at most, see test_parity.py), which moves the untrained demo network's scores a little.
+REFERENCE_SCORE_TOLERANCE = 0.03
+PIXEL_LEVEL = 1 / 255 / min(0.229, 0.224, 0.225)  # one uint8 level, normalised
 
 
 def make_plugin(store: Path, **options: Any) -> ResNetPlugin:
@@ -64,10 +68,12 @@ def direct(reference: torch.nn.Module, payload: Payload, k: int = 5) -> list[tup
     return list(zip(ids.tolist(), scores.tolist(), strict=True))
 
 
-def assert_same_top_k(got: list[dict[str, Any]], expected: list[tuple[int, float]]) -> None:
+def assert_same_top_k(
+    got: list[dict[str, Any]], expected: list[tuple[int, float]], tolerance: float = SCORE_TOLERANCE
+) -> None:
     assert [entry["class_id"] for entry in got] == [class_id for class_id, _ in expected]
     for entry, (_, score) in zip(got, expected, strict=True):
-        assert abs(entry["score"] - score) <= SCORE_TOLERANCE
+        assert abs(entry["score"] - score) <= tolerance
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
@@ -76,7 +82,7 @@ def test_batched_results_match_direct_torchvision(
 ) -> None:
     batch = payloads[:batch_size]
     for payload, answer in zip(batch, run(plugin, batch), strict=True):
-        assert_same_top_k(answer["top_k"], direct(reference, payload))
+        assert_same_top_k(answer["top_k"], direct(reference, payload), REFERENCE_SCORE_TOLERANCE)
 
 
 def test_answers_differ_between_images(plugin: ResNetPlugin, payloads: list[Payload]) -> None:
@@ -102,11 +108,14 @@ def test_answer_shape_labels_and_json(plugin: ResNetPlugin, payloads: list[Paylo
     assert all(e["label"] == categories[e["class_id"]] for e in top) and 0 < top[0]["score"] <= 1
 
 
-def test_preprocessing_equals_the_weights_enum_transforms(plugin: ResNetPlugin, payloads: list[Payload]) -> None:
+def test_preprocessing_matches_the_weights_enum_transforms(plugin: ResNetPlugin, payloads: list[Payload]) -> None:
     transforms = torchvision.models.ResNet18_Weights.IMAGENET1K_V1.transforms()
     for payload in payloads:
         expected = transforms(decode_independently(payload))
-        torch.testing.assert_close(plugin.preprocess(payload), expected, rtol=0, atol=1e-6)
+        got = plugin.preprocess(payload)
+        assert isinstance(got, torch.Tensor) and got.shape == expected.shape and got.is_contiguous()
+        error = (got - expected).abs()
+        assert float(error.max()) <= PIXEL_LEVEL + 1e-5 and float(error.mean()) < 0.2 * PIXEL_LEVEL
 
 
 def test_example_payload_and_warmup(plugin: ResNetPlugin) -> None:

@@ -6,15 +6,16 @@ import dataclasses
 import pickle
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torchvision
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from model_router_resnet.processing import CROP, ClassifyProcessing, TopK
+from model_router_resnet.processing import CROP, ClassifyItem, ClassifyProcessing, TopK
 from router.sdk import (
     ACCEPTED_MEDIA_TYPES,
+    DEFAULT_MAX_ASPECT_RATIO,
     DEFAULT_MAX_PIXELS,
     MemoryEstimate,
     ModelPlugin,
@@ -26,6 +27,7 @@ from router.sdk import (
     require_cuda_for_half,
     tensor_bytes,
 )
+from router.sdk.device_images import use_device_decode
 
 __all__ = ["ARCHS", "ResNetOptions", "ResNetPlugin", "TopK"]
 
@@ -43,6 +45,13 @@ class ResNetOptions(BaseModel):
     half: bool = Field(False, description="fp16 weights and inputs; CUDA devices only")
     labels_file: str | None = Field(None, description="one label per line; default: the ImageNet categories")
     max_pixels: int = Field(DEFAULT_MAX_PIXELS, ge=1, description="largest accepted input image, in pixels")
+    max_aspect_ratio: float = Field(
+        DEFAULT_MAX_ASPECT_RATIO, ge=1, le=100, description="long side / short side; more elongated images get 400"
+    )
+    decode: Literal["exact", "fast"] = Field(
+        "exact", description="fast: JPEGs decoded at 1/2, 1/4 or 1/8 scale while at least the resize size"
+    )
+    gpu_decode: bool = Field(False, description="on cuda:N, decode JPEGs on the device in batches (nvJPEG)")
 
     @field_validator("arch")
     @classmethod
@@ -67,7 +76,12 @@ class ResNetPlugin(ModelPlugin[ResNetOptions]):
         self.labels: list[str] = []
         self._network: torch.nn.Module | None = None
         # Labels are known after load; preprocessing works before it.
-        self.processing = ClassifyProcessing(top_k=options.top_k, max_pixels=options.max_pixels)
+        self.processing = ClassifyProcessing(
+            top_k=options.top_k,
+            max_pixels=options.max_pixels,
+            max_aspect_ratio=options.max_aspect_ratio,
+            decode_mode=options.decode,
+        )
 
     def load(self, device: str) -> None:
         """Build the architecture sized by the state dict's `fc` layer, load the weights, move to `device`."""
@@ -89,7 +103,8 @@ class ResNetPlugin(ModelPlugin[ResNetOptions]):
         if self.options.top_k > num_classes:
             raise ValueError(f"top_k {self.options.top_k} is more than the model's {num_classes} classes")
         self.labels = self._read_labels(num_classes)
-        self.processing = dataclasses.replace(self.processing, labels=tuple(self.labels))
+        device_decode = use_device_decode(self.options.gpu_decode, device, self.context.model_name)
+        self.processing = dataclasses.replace(self.processing, labels=tuple(self.labels), device_decode=device_decode)
         network.eval().to(self.device)
         self._network = network.half() if self.options.half else network
 
@@ -98,21 +113,21 @@ class ResNetPlugin(ModelPlugin[ResNetOptions]):
         """The loaded torch network, e.g. for export."""
         return self._loaded()
 
-    def preprocess(self, payload: Payload) -> torch.Tensor:
+    def preprocess(self, payload: Payload) -> ClassifyItem:
         """Decode, resize the short side to 256, centre-crop 224, scale to [0, 1], normalise: (3, 224, 224) float."""
         return self.processing.preprocess(payload)
 
-    def predict_batch(self, items: Sequence[torch.Tensor]) -> list[TopK]:
+    def predict_batch(self, items: Sequence[ClassifyItem]) -> list[TopK]:
         """One forward pass; softmax in fp32 and top-k on the device, results on the CPU."""
         network = self._loaded()
         with torch.inference_mode():
             logits = network(self.processing.network_input(items, self.device, half=self.options.half))
             return self.processing.decode(logits)
 
-    def postprocess(self, output: TopK, item: torch.Tensor) -> dict[str, Any]:
+    def postprocess(self, output: TopK, item: ClassifyItem) -> dict[str, Any]:
         return self.processing.postprocess(output, item)
 
-    def describe_input(self, payload: Payload, item: torch.Tensor) -> dict[str, Any]:
+    def describe_input(self, payload: Payload, item: ClassifyItem) -> dict[str, Any]:
         size = image_size(payload.body)
         return {} if size is None else {"image_width": size[0], "image_height": size[1]}
 
@@ -123,7 +138,8 @@ class ResNetPlugin(ModelPlugin[ResNetOptions]):
         dtype = torch.float16 if self.options.half else torch.float32
         probe = torch.zeros((1, 3, CROP, CROP), dtype=dtype, device=self.device)
         inputs = probe.numel() * (4 + probe.element_size())  # the fp32 upload and its device copy
-        return MemoryEstimate(weights_bytes=weights, per_item_bytes=inputs + activation_bytes(network, probe))
+        per_item = inputs + activation_bytes(network, probe) + self.processing.decode_bytes()
+        return MemoryEstimate(weights_bytes=weights, per_item_bytes=per_item)
 
     def example_payload(self) -> Payload:
         return example_jpeg()

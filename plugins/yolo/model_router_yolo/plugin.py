@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -14,6 +14,7 @@ from model_router_yolo.processing import DetectSettings, Letterboxed, YoloProces
 from model_router_yolo.processing import offline as _offline
 from router.sdk import (
     ACCEPTED_MEDIA_TYPES,
+    DEFAULT_MAX_ASPECT_RATIO,
     DEFAULT_MAX_PIXELS,
     MemoryEstimate,
     ModelPlugin,
@@ -24,6 +25,7 @@ from router.sdk import (
     require_cuda_for_half,
     tensor_bytes,
 )
+from router.sdk.device_images import use_device_decode
 
 if TYPE_CHECKING:
     from ultralytics.nn.autobackend import AutoBackend
@@ -48,6 +50,13 @@ class YoloOptions(BaseModel):
     half: bool = Field(False, description="fp16 weights and inputs; CUDA devices only")
     labels: list[str] | None = Field(None, description="class names, one per class id; default: the checkpoint's")
     max_pixels: int = Field(DEFAULT_MAX_PIXELS, ge=1, description="largest accepted input image, in pixels")
+    max_aspect_ratio: float = Field(
+        DEFAULT_MAX_ASPECT_RATIO, ge=1, le=100, description="long side / short side; more elongated images get 400"
+    )
+    decode: Literal["exact", "fast"] = Field(
+        "exact", description="fast: JPEGs decoded at 1/2, 1/4 or 1/8 scale while the long side stays >= imgsz"
+    )
+    gpu_decode: bool = Field(False, description="on cuda:N, decode JPEGs on the device in batches (nvJPEG)")
 
     @field_validator("model")
     @classmethod
@@ -103,7 +112,10 @@ class YoloPlugin(ModelPlugin[YoloOptions]):
             end2end=bool(getattr(network, "end2end", False)),
         )
         self._processing = YoloProcessing(
-            self.options.imgsz, int(network.stride), self.names, settings, self.options.max_pixels
+            self.options.imgsz, int(network.stride), self.names, settings, self.options.max_pixels,
+            max_aspect_ratio=self.options.max_aspect_ratio,
+            decode_mode=self.options.decode,
+            device_decode=use_device_decode(self.options.gpu_decode, device, self.context.model_name),
         )
         self._network = network
 
@@ -145,7 +157,8 @@ class YoloPlugin(ModelPlugin[YoloOptions]):
         dtype = torch.float16 if self.options.half else torch.float32
         probe = torch.zeros((1, 3, self.options.imgsz, self.options.imgsz), dtype=dtype, device=self.device)
         inputs = probe.numel() * (1 + probe.element_size())  # the uint8 upload and its float copy
-        return MemoryEstimate(weights_bytes=weights, per_item_bytes=inputs + activation_bytes(module, probe))
+        per_item = inputs + activation_bytes(module, probe) + self.processing.decode_bytes()
+        return MemoryEstimate(weights_bytes=weights, per_item_bytes=per_item)
 
     def example_payload(self) -> Payload:
         return example_jpeg()

@@ -3,6 +3,12 @@
 The eager `yolo` plugin and the engine plugins (`onnx`, `tensorrt`) share this code: a fixed
 square letterbox on the CPU, the uint8 -> float conversion on the device, then ultralytics' NMS
 and the scaling of boxes back to the original image.
+
+The letterbox is ultralytics' `LetterBox` (same sizes, rounding, `INTER_LINEAR` resize and grey
+114 border), done without its copies: OpenCV decodes to BGR, the resize writes the image's three
+planes straight into the CHW canvas, reversing the channel order on the way. `decode: fast` lets
+libjpeg decode at 1/2, 1/4 or 1/8 scale while the long side stays at least `imgsz`;
+`device_decode` leaves JPEGs encoded for a batched decode and letterbox on a CUDA device.
 """
 
 from __future__ import annotations
@@ -11,23 +17,45 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from router.sdk import DEFAULT_MAX_PIXELS, Payload, decode_image
+from router.sdk import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_PIXELS, Payload, open_image, reduction_for
+from router.sdk.device_images import EncodedJpeg, decode_on_device, encoded_jpeg
 
-__all__ = ["DetectSettings", "Letterboxed", "YoloProcessing", "check_class_ids", "offline"]
+__all__ = ["DetectSettings", "Letterboxed", "Placement", "YoloProcessing", "check_class_ids", "offline"]
+
+PAD_VALUE = 114  # ultralytics' letterbox grey
 
 
 @dataclass(frozen=True)
 class Letterboxed:
-    """One image ready for the network: uint8 RGB (3, imgsz, imgsz), and its original size."""
+    """One image ready for the network: uint8 RGB (3, imgsz, imgsz), and its original size.
+    With device decode, a JPEG comes as `encoded` instead, and `pixels` is None."""
 
-    pixels: torch.Tensor
+    pixels: torch.Tensor | None
     width: int
     height: int
+    encoded: EncodedJpeg | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an image of width x height goes in the square: ultralytics' LetterBox(auto=False) arithmetic."""
+
+    width: int  # of the resized image
+    height: int
+    top: int
+    left: int
+
+    @classmethod
+    def fit(cls, width: int, height: int, side: int) -> Placement:
+        ratio = min(side / height, side / width)
+        new_width, new_height = max(round(width * ratio), 1), max(round(height * ratio), 1)
+        pad_w, pad_h = (side - new_width) / 2, (side - new_height) / 2
+        return cls(new_width, new_height, round(pad_h - 0.1), round(pad_w - 0.1))
 
 
 @dataclass(frozen=True)
@@ -51,10 +79,12 @@ class YoloProcessing:
         names: Sequence[str],
         settings: DetectSettings,
         max_pixels: int = DEFAULT_MAX_PIXELS,
+        *,
+        max_aspect_ratio: float = DEFAULT_MAX_ASPECT_RATIO,
+        decode_mode: Literal["exact", "fast"] = "exact",
+        device_decode: bool = False,
     ) -> None:
         offline()
-        from ultralytics.data.augment import LetterBox
-
         if imgsz % stride:
             raise ValueError(f"imgsz {imgsz} is not a multiple of this model's stride {stride}")
         self.imgsz = imgsz
@@ -62,21 +92,65 @@ class YoloProcessing:
         self.names = list(names)
         self.settings = settings
         self.max_pixels = max_pixels
-        self._letterbox = LetterBox((imgsz, imgsz), auto=False, stride=stride)
+        self.max_aspect_ratio = max_aspect_ratio
+        self.decode_mode = decode_mode
+        self.device_decode = device_decode
 
     def preprocess(self, payload: Payload) -> Letterboxed:
-        """Decode, letterbox to the fixed square input (ultralytics' LetterBox), HWC -> CHW."""
-        rgb = decode_image(payload, max_pixels=self.max_pixels)
-        boxed = cast(np.ndarray, self._letterbox(image=rgb))  # image-only calls return the array
-        pixels = torch.from_numpy(boxed.transpose(2, 0, 1).copy())
-        return Letterboxed(pixels=pixels, width=rgb.shape[1], height=rgb.shape[0])
+        """Decode, letterbox to the fixed square input (ultralytics' LetterBox), HWC BGR -> CHW RGB.
+        With `device_decode`, a JPEG is only checked here and kept encoded."""
+        image = open_image(payload, max_pixels=self.max_pixels, max_aspect_ratio=self.max_aspect_ratio)
+        header = image.header
+        if self.device_decode and (encoded := encoded_jpeg(image, payload.body)) is not None:
+            return Letterboxed(pixels=None, width=header.width, height=header.height, encoded=encoded)
+        reduce = reduction_for(header, 1, self.imgsz) if self.decode_mode == "fast" else 1
+        bgr = image.decode(reduce=reduce, channels="BGR")
+        height, width = bgr.shape[:2] if reduce == 1 else (header.height, header.width)
+        pixels = self._letterbox(bgr, Placement.fit(width, height, self.imgsz))
+        return Letterboxed(pixels=torch.from_numpy(pixels), width=width, height=height)
 
-    @staticmethod
-    def network_input(items: Sequence[Letterboxed], device: torch.device, *, half: bool = False) -> torch.Tensor:
-        """The batch as the network takes it: (n, 3, imgsz, imgsz) in [0, 1]."""
-        batch = torch.stack([item.pixels for item in items]).to(device)
+    def _letterbox(self, bgr: np.ndarray, box: Placement) -> np.ndarray:
+        """uint8 (3, imgsz, imgsz) RGB: the resized image's planes written into the grey canvas."""
+        import cv2
+
+        resized = bgr
+        if bgr.shape[:2] != (box.height, box.width):
+            resized = cv2.resize(bgr, (box.width, box.height), interpolation=cv2.INTER_LINEAR)
+        side = self.imgsz
+        canvas = np.full((3, side, side), PAD_VALUE, dtype=np.uint8)
+        rows, cols = slice(box.top, box.top + box.height), slice(box.left, box.left + box.width)
+        for channel, plane in enumerate(cv2.split(resized)):
+            canvas[2 - channel, rows, cols] = plane  # BGR planes in, RGB planes out
+        return canvas
+
+    def network_input(self, items: Sequence[Letterboxed], device: torch.device, *, half: bool = False) -> torch.Tensor:
+        """The batch as the network takes it: (n, 3, imgsz, imgsz) in [0, 1]. JPEGs left encoded
+        are decoded and letterboxed on `device` first."""
+        encoded = [item.encoded for item in items if item.pixels is None and item.encoded is not None]
+        done = iter(self._letterbox_on_device(image) for image in decode_on_device(encoded, device))
+        batch = torch.stack([next(done) if item.pixels is None else item.pixels.to(device) for item in items])
         # Same conversion as ultralytics' predictor: uint8 to the device, then scale there.
         return (batch.half() if half else batch.float()).div_(255)
+
+    def _letterbox_on_device(self, image: torch.Tensor) -> torch.Tensor:
+        """uint8 RGB (3, H, W) on any device -> the letterboxed uint8 (3, imgsz, imgsz) there."""
+        height, width = image.shape[-2:]
+        box = Placement.fit(width, height, self.imgsz)
+        if (height, width) != (box.height, box.width):
+            resized = torch.nn.functional.interpolate(
+                image.unsqueeze(0).float(), size=(box.height, box.width), mode="bilinear", align_corners=False
+            )
+            image = resized[0].round_().clamp_(0, 255).to(torch.uint8)
+        side = self.imgsz
+        canvas = torch.full((3, side, side), PAD_VALUE, dtype=torch.uint8, device=image.device)
+        canvas[:, box.top : box.top + box.height, box.left : box.left + box.width] = image
+        return canvas
+
+    def decode_bytes(self) -> int:
+        """Device memory one input's on-device decode and letterbox can take (0 without device decode)."""
+        from router.sdk.device_images import DEVICE_DECODE_MAX_PIXELS
+
+        return 3 * DEVICE_DECODE_MAX_PIXELS * 5 if self.device_decode else 0  # uint8 decode + its float copy
 
     def decode(self, raw: Any) -> list[torch.Tensor]:
         """ultralytics' NMS on the raw head output (n, 4 + classes, anchors); per image an (k, 6)

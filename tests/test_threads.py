@@ -1,0 +1,33 @@
+"""The thread plan: what the CPU pool, torch and OpenCV get, from the cores and the settings."""
+
+from __future__ import annotations
+
+import cv2
+import pytest
+import torch
+
+from router.serving.threads import ThreadPlan, apply_threads, available_cores, plan_threads
+
+
+@pytest.mark.parametrize("cores, workers, torch_threads, expected", [
+    (2, 0, 0, ThreadPlan(2, 2, 2)), (16, 0, 0, ThreadPlan(16, 16, 16)), (2, 1, 0, ThreadPlan(2, 1, 2)),
+    (8, 3, 4, ThreadPlan(8, 3, 4)), (0, 0, 0, ThreadPlan(1, 1, 1)),
+])
+def test_settings_win_and_zero_means_every_core(cores: int, workers: int, torch_threads: int, expected: ThreadPlan) -> None:
+    assert plan_threads(cores, workers, torch_threads) == expected
+
+
+def test_apply_sets_torch_and_the_cores_are_this_process_s() -> None:
+    before = torch.get_num_threads()
+    try:
+        apply_threads(ThreadPlan(cores=2, cpu_workers=2, torch_threads=1))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert 1 <= available_cores()
+
+
+def test_opencv_decodes_single_threaded_inside_a_pool_thread() -> None:
+    from router.sdk.images import _cv2
+
+    assert _cv2() is cv2 and cv2.getNumThreads() == 1
