@@ -38,6 +38,7 @@ class FakeRunner:
     clock: Clock
     cost_s: float = 0.0  # fake time one batch takes (advances the clock)
     hold: asyncio.Event | None = None
+    stalled: asyncio.Event | None = None  # wait_idle blocks on it: a fenced batch's thread still running
     ready: bool = True
     busy: bool = False
     times: BatchTime = field(default_factory=BatchTime)
@@ -62,7 +63,8 @@ class FakeRunner:
             resolve(ticket, ticket.request_id)
 
     async def wait_idle(self) -> None:
-        return None
+        if self.stalled is not None:
+            await self.stalled.wait()
 
 
 @dataclass(eq=False)
@@ -85,6 +87,7 @@ def model(name: str, *, max_size: int = 8, delay_ms: float = 0.0, weight: float 
 
 
 def scheduler(clock: Clock, *, budget: int = 1000, probe: ScriptedProbe | None = None, **device: Any) -> DeviceScheduler:
+    device.setdefault("max_concurrent_batches", 64)  # memory decides here; the batch limit has its own tests
     config = DeviceConfig(memory_budget=budget, probe="none" if probe is None else "host", **device)
     sched = DeviceScheduler("cpu", config, probe, clock=clock)
     sched.resolve_budget()
@@ -102,8 +105,8 @@ def enqueue(m: FakeModel, clock: Clock, count: int, *, deadline_s: float = 60.0,
 
 
 async def settle(sched: DeviceScheduler) -> None:
-    """Let every batch the scheduler started finish."""
-    while sched.running_batches:
+    """Let every batch the scheduler started finish (its thread returned, its memory released)."""
+    while sched._running:
         await asyncio.gather(*list(sched._running))
 
 
@@ -287,3 +290,28 @@ async def test_the_loop_restarts_after_a_crash_and_still_dispatches(monkeypatch:
     finally:
         await sched.stop()
     assert sched.restarts == 1
+
+
+async def test_a_fenced_batch_keeps_its_memory_but_not_its_slot_on_a_one_batch_device() -> None:
+    clock = Clock()
+    sched = scheduler(clock, budget=1000, max_concurrent_batches=1)
+    thread = asyncio.Event()
+    hung, other = model("hung"), model("other")
+    r_hung = runner("hung/0", clock, per_item=100, stalled=thread)
+    r_other = runner("other/0", clock, per_item=100)
+    sched.attach(hung, r_hung)
+    sched.attach(other, r_other)
+    enqueue(hung, clock, 1, prefix="h")
+    sched.step()
+    for _ in range(3):
+        await asyncio.sleep(0)  # the hung batch is answered (504 at its timeout); its thread runs on
+    assert sched.running_batches == 0 and sched.ledger.reserved_bytes == 100
+    enqueue(other, clock, 1, prefix="o")
+    clock.now += 0.001
+    sched.step()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert r_other.batches == [["o0"]]  # the other model runs beside the fenced one
+    thread.set()
+    await settle(sched)
+    assert sched.ledger.reserved_bytes == 0

@@ -370,13 +370,20 @@ class DeviceScheduler:
     async def _run(self, model: Model, runner: Runner, tickets: list[Ticket], reservation: Reservation) -> None:
         started = self.clock()
         before = self.last_reading
+        slot = True
         try:
             await runner.execute(tickets)
             self._record_memory_change(tickets, before)  # before the callers resume: no await in between
-            await runner.wait_idle()  # a stalled batch keeps its memory until its thread returns
+            # Answered. A batch fenced past its execution timeout keeps its memory until its thread
+            # returns, but not its slot: a hung model must not stop the others on its device.
+            self._active -= 1
+            slot = False
+            self.notify()
+            await runner.wait_idle()
         finally:
             self.ledger.release(reservation)
-            self._active -= 1  # before notify: the next step must see the slot free
+            if slot:
+                self._active -= 1  # before notify: the next step must see the slot free
             runner.end_batch()
             self._served(model.name).add(self.clock() - started, self.clock())
             self.notify()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -54,15 +56,17 @@ def test_a_full_queue_refuses_before_the_body_arrives(tmp_path: Path) -> None:
         def send(index: int) -> None:
             httpx.post(f"{server.url}/models/slow/predict", json={"id": f"r{index}"}, timeout=10)
 
+        def until(condition: Callable[[dict[str, Any]], bool]) -> None:
+            deadline = time.monotonic() + 10
+            while not condition(httpx.get(f"{server.url}/models/slow").json()):
+                assert time.monotonic() < deadline, "the model never reached the expected state"
+                time.sleep(0.01)
+
         workers = [threading.Thread(target=send, args=(i,)) for i in range(2)]
-        for worker in workers:
-            worker.start()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # one running, one queued: the queue of one is full
-            model = httpx.get(f"{server.url}/models/slow").json()
-            if model["queue"]["depth"] == 1 and model["instances"][0]["busy"]:
-                break
-            time.sleep(0.01)
+        workers[0].start()
+        until(lambda model: model["instances"][0]["busy"])  # one running...
+        workers[1].start()
+        until(lambda model: model["queue"]["depth"] == 1)  # ...one queued: the queue of one is full
         delay, reply = _headers_only(server.url, "/models/slow/predict", 10_000_000)  # under the body limit
         for worker in workers:
             worker.join()
