@@ -108,6 +108,7 @@ class DeviceScheduler:
         self._task: asyncio.Task[None] | None = None
         self._running: set[asyncio.Task[None]] = set()
         self._active = 0  # batches dispatched and not yet returned (what the concurrency limit counts)
+        self._ends: dict[int, float] = {}  # expected end of each counted batch, by reservation
         self._stopping = False
         self._actions: ResidencyActions | None = None
         self.last_residency = ResidencyPlan()
@@ -192,6 +193,14 @@ class DeviceScheduler:
     @property
     def running_batches(self) -> int:
         return self._active
+
+    def free_at(self, now: float) -> float:
+        """When the device can next start a batch: now, unless its batch limit is reached; then
+        the expected end of the first running batch."""
+        limit = self.config.concurrent_batch_limit(self.device)
+        if limit is None or self._active < limit or not self._ends:
+            return now
+        return max(now, min(self._ends.values()))
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -363,6 +372,7 @@ class DeviceScheduler:
         reservation = self.ledger.reserve(model.name, nbytes)
         runner.begin_batch(len(tickets), now)
         self._active += 1
+        self._ends[reservation.batch_id] = now + runner.times.seconds(len(tickets), now)
         task = asyncio.create_task(self._run(model, runner, tickets, reservation))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
@@ -377,6 +387,7 @@ class DeviceScheduler:
             # Answered. A batch fenced past its execution timeout keeps its memory until its thread
             # returns, but not its slot: a hung model must not stop the others on its device.
             self._active -= 1
+            self._ends.pop(reservation.batch_id, None)
             slot = False
             self.notify()
             await runner.wait_idle()
@@ -384,6 +395,7 @@ class DeviceScheduler:
             self.ledger.release(reservation)
             if slot:
                 self._active -= 1  # before notify: the next step must see the slot free
+                self._ends.pop(reservation.batch_id, None)
             runner.end_batch()
             self._served(model.name).add(self.clock() - started, self.clock())
             self.notify()

@@ -4,6 +4,7 @@ RouterError that answers the request; none has side effects."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from fnmatch import fnmatch
 from typing import Any
 
@@ -16,11 +17,14 @@ __all__ = ["check_answer", "check_media_type", "check_predicted_wait", "check_pr
 _JSON_SCALARS = (str, int, bool, type(None))
 
 
-def check_predicted_wait(deployment: Deployment, budget_s: float, now: float, *, take_probe: bool = True) -> bool:
+def check_predicted_wait(
+    deployment: Deployment, budget_s: float, now: float, *, take_probe: bool = True,
+    device_free_at: Mapping[str, float] | None = None,
+) -> bool:
     """Refuse at once (503) a request that the work already queued and running would push past
     its deadline, rather than queueing it to answer 504 later. Returns whether the request is
     admitted to measure the model's real answer time (it is then never dropped at dispatch)."""
-    decision = deployment.admission(budget_s, now, take_probe=take_probe)
+    decision = deployment.admission(budget_s, now, take_probe=take_probe, device_free_at=device_free_at)
     if not decision.admit:
         raise QueueFull(
             f"model {deployment.name!r} is overloaded: {decision.reason}; retry later",

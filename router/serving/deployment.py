@@ -152,9 +152,13 @@ class Deployment:
     def ready_instances(self) -> list[ModelInstance]:
         return [i for i in self.instances if i.state is InstanceState.READY]
 
-    def predict(self, now: float, *, margin: float = MARGIN_DEVIATIONS) -> Prediction | None:
+    def predict(
+        self, now: float, *, margin: float = MARGIN_DEVIATIONS, device_free_at: Mapping[str, float] | None = None,
+    ) -> Prediction | None:
         """When a request queued now would be answered (None: nothing timed to predict from). A
-        model that is not loaded first waits for its load, timed by its last cold start."""
+        model that is not loaded first waits for its load, timed by its last cold start. An idle
+        instance on a device whose batch slots are all taken (by other models) starts when the
+        device frees one (`device_free_at`)."""
         ready = self.ready_instances()
         load_s = 0.0
         if not ready:
@@ -164,9 +168,12 @@ class Deployment:
                 return None
             started = res.load_started_at if res.load_started_at is not None else now
             load_s = max(0.0, started + res.cold_start_s - now)
+        free = device_free_at or {}
+        loads = [InstanceLoad(i.times, None, i.max_batch) if load_s else i.load_view() for i in ready]
+        loads = [replace(load, busy_until=free[i.device]) if load.busy_until is None and free.get(i.device, now) > now
+                 else load for load, i in zip(loads, ready, strict=True)]
         prediction = predict_answer(
-            now + load_s, [InstanceLoad(i.times, None, i.max_batch) for i in ready] if load_s else
-            [i.load_view() for i in ready], queued_ahead=self.queue.occupancy,
+            now + load_s, loads, queued_ahead=self.queue.occupancy,
             max_batch=self.config.batch.max_size, max_delay_s=self.config.batch.max_delay_s,
             lag_s=self.lag.at(now), margin=margin,
         )
@@ -185,11 +192,17 @@ class Deployment:
         """Nothing queued or being prepared, and an instance free to run it."""
         return self.queue.occupancy == 0 and any(not i.busy for i in self.ready_instances())
 
-    def admission(self, budget_s: float, now: float, *, take_probe: bool = True) -> AdmissionDecision:
+    def admission(
+        self, budget_s: float, now: float, *, take_probe: bool = True, device_free_at: Mapping[str, float] | None = None,
+    ) -> AdmissionDecision:
         """Whether a request with `budget_s` until its deadline should be queued now."""
         samples = [i.times.last_sample_at for i in self.instances if i.times.last_sample_at is not None]
-        return decide_admission(self.predict(now), budget_s, idle=self.idle, gate=self.gate, now=now,
-                                last_sample_at=max(samples, default=None), take_probe=take_probe)
+        free = device_free_at or {}
+        idle = self.queue.occupancy == 0 and any(not i.busy and free.get(i.device, now) <= now
+                                                 for i in self.ready_instances())
+        return decide_admission(self.predict(now, device_free_at=device_free_at), budget_s, idle=idle,
+                                gate=self.gate, now=now, last_sample_at=max(samples, default=None),
+                                take_probe=take_probe)
 
     def dispatch_horizon_s(self, instance: Runner, size: int, now: float) -> float:
         """Time from dispatch to answer of a batch of `size` on `instance`, with admission's margin:

@@ -291,7 +291,7 @@ class Runtime:
             check_priority(deployment, priority)
             budget_s = check_timeout(deployment, timeout_ms) - (now - started)
             deployment.queue.check_room(now)
-            check_predicted_wait(deployment, budget_s, now, take_probe=False)
+            check_predicted_wait(deployment, budget_s, now, take_probe=False, device_free_at=self._free_at(now))
         except RouterError as exc:
             self._count(deployment, outcome_of(exc), started)
             raise
@@ -342,7 +342,7 @@ class Runtime:
         deadline = started + check_timeout(deployment, timeout_ms)
         queue = deployment.queue
         now = self.clock()
-        measure = check_predicted_wait(deployment, deadline - now, now)
+        measure = check_predicted_wait(deployment, deadline - now, now, device_free_at=self._free_at(now))
         queue.reserve_slot(started)
         deployment.residency.hold(now)  # in use: not evicted until answered
         try:
@@ -385,6 +385,10 @@ class Runtime:
         self.telemetry.observe_queue_wait(deployment.name, wait)
         return Answer(request_id, deployment.name, result, wait, ticket.batch_size, ticket.execution_s,
                       ticket.memory_delta_bytes, plugin.describe_input(payload, item))
+
+    def _free_at(self, now: float) -> dict[str, float]:
+        """When each device can next start a batch (now, unless all its batch slots are taken)."""
+        return {device: scheduler.free_at(now) for device, scheduler in self._schedulers.items()}
 
     def _check_open(self) -> None:
         if self._draining or self._closed:
