@@ -11,7 +11,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from router.serving.runtime import Runtime
+    from router.serving.facade import ServingFacade
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 
@@ -85,7 +85,7 @@ class RouterMetrics:
     def observe_cold_wait(self, model: str, seconds: float) -> None:
         self.cold_waits.labels(model).observe(seconds)
 
-    def bind(self, runtime: Runtime) -> None:
+    def bind(self, runtime: ServingFacade) -> None:
         """Receive the runtime's events and read its state at scrape time."""
         runtime.add_telemetry(self)
         self.registry.register(_StateCollector(lambda: runtime))
@@ -95,7 +95,7 @@ class RouterMetrics:
 
 
 class _StateCollector(Collector):
-    def __init__(self, runtime: Callable[[], Runtime]) -> None:
+    def __init__(self, runtime: Callable[[], ServingFacade]) -> None:
         self._runtime = runtime
 
     def collect(self) -> Iterable[Metric]:
@@ -120,7 +120,7 @@ class _StateCollector(Collector):
         yield from _device_families(runtime)
 
 
-def _device_families(runtime: Runtime) -> Iterable[Metric]:
+def _device_families(runtime: ServingFacade) -> Iterable[Metric]:
     reserved = GaugeMetricFamily("model_router_ledger_reserved_bytes", "Bytes reserved by running batches.", labels=["device"])
     weights = GaugeMetricFamily("model_router_ledger_weights_bytes", "Bytes booked for loaded weights.", labels=["device"])
     peak = GaugeMetricFamily("model_router_ledger_peak_bytes", "Highest ledger total seen.", labels=["device"])
