@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray import serve
 
-from router.cluster.app import RAY_ENV, build_app
+from router.cluster.app import build_app
 from router.cluster.layout import PLACEMENT, cluster_of
 from router.cluster.reports import ReplicaReport
 from router.serving.plan import load_plan
@@ -22,8 +21,6 @@ log = logging.getLogger("router.cluster.commands")
 
 
 def _connect(address: str) -> None:
-    for key, value in RAY_ENV.items():  # this process's handles too
-        os.environ.setdefault(key, value)
     if not ray.is_initialized():
         ray.init(address=address, log_to_driver=False, namespace="serve")
 
