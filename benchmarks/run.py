@@ -34,6 +34,8 @@ __all__ = ["Plan", "loadgen", "main"]
 
 DEADLINE_S = 1.0
 OPEN_MULTIPLES = (0.5, 1.0, 2.0, 5.0)
+#: Workloads that run as one module in their own process (they start Ray): name -> module.
+SCENARIOS = {"cluster": "benchmarks.cluster", "multiplex": "benchmarks.multiplex"}
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,18 @@ def run_workload(workload: Workload, store: Path, scratch: Path, plan: Plan, swe
     return out
 
 
+def run_scenario(name: str, store: Path, scratch: Path, plan: Plan) -> dict[str, Any]:
+    """A scenario module's JSON (the cluster on local Ray, Ray Serve's multiplexing)."""
+    command = [sys.executable, "-m", SCENARIOS[name], "--seconds", str(plan.closed_s), "--store", str(store),
+               "--scratch", str(scratch)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1200, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed ({done.returncode}): {done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"[{name}] {json.dumps(result)[:600]}", flush=True)
+    return result
+
+
 def _brief(runs: dict[str, Any]) -> str:
     return "; ".join(f"{k} {r['throughput_rps']} rps p50 {r['ok_ms']['p50']} ms {r['statuses']}"
                      for k, r in runs.items())
@@ -166,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a short smoke run (figures not meaningful)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--store", type=Path, default=REPO / "model_store")
-    parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), help="default: all")
+    parser.add_argument("--workload", action="append", choices=sorted([*WORKLOADS, *SCENARIOS]), help="default: all")
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
     scratch = args.out / "scratch"  # fleet files, request bodies and server logs of this run only
@@ -176,7 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"machine": machine(), "command": "make bench", "plan": plan.__dict__,
                                "deadline_s": DEADLINE_S, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "workloads": {}}
-    for name in args.workload or list(WORKLOADS):
+    for name in args.workload or [*WORKLOADS, *SCENARIOS]:
+        if name in SCENARIOS:
+            results["scenarios"] = {**results.get("scenarios", {}), name: run_scenario(name, args.store.resolve(),
+                                                                                     scratch, plan)}
+            continue
         results["workloads"][name] = run_workload(WORKLOADS[name], args.store.resolve(), scratch, plan,
                                                   sweep=name == "resnet18")
     results["targets"] = evaluate(results)

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from router.cluster.controller import PlacementController
 from router.cluster.layout import FRONT, INGRESS, PLACEMENT, cluster_of, device_deployment, fleet_document
 from router.cluster.ray_router import ResidencyRouter
 from router.cluster.replica import DRAIN_S, DeviceReplica
-from router.cluster.server import FrontServer, ingress_app
+from router.cluster.server import FrontServer, IngressFront
 from router.config import FleetConfig, NodeTypeConfig
 from router.serving.plan import load_plan
 
@@ -54,11 +53,10 @@ def build_app(fleet: FleetConfig, *, ingress: bool = False) -> Application:
     front = cluster.front
     actor = {"num_cpus": front.num_cpus, "resources": dict(front.resources), "runtime_env": {"env_vars": RAY_ENV}}
     if ingress:
-        wrapped = serve.ingress(functools.partial(ingress_app, document))(type("IngressFront", (), {}))
         ingress_front: Application = serve.deployment(
             name=INGRESS, num_replicas=front.replicas, ray_actor_options=actor, max_ongoing_requests=10_000,
             logging_config=QUIET,
-        )(wrapped).bind()
+        )(serve.ingress()(IngressFront)).bind(document, devices, placement)
         return ingress_front
     front_server: Application = serve.deployment(
         name=FRONT, num_replicas=front.replicas, max_replicas_per_node=1, max_ongoing_requests=100,

@@ -5,7 +5,7 @@ Two ways to put it in front of the device replicas, both built here:
 - `FrontServer` (the default): a Serve replica that runs its own uvicorn server on
   `cluster.front.port`, one hop from the device replicas (deployment handles). Ray's HTTP proxy
   stays off.
-- `ingress_app` for `serve.ingress`: the same app behind Ray Serve's HTTP proxy, two hops (proxy
+- `IngressFront` for `serve.ingress`: the same app behind Ray Serve's HTTP proxy, two hops (proxy
   to ingress replica to device replica). Kept for the benchmark that chose between them.
 """
 
@@ -18,18 +18,16 @@ from typing import Any
 
 import uvicorn
 from litestar import Litestar
-from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from router.cluster.calls import RayCalls
 from router.cluster.front import ClusterRuntime
-from router.cluster.layout import PLACEMENT, device_deployment
 from router.cluster.metrics import ClusterMetrics
 from router.config import FleetConfig, ServerSettings
 from router.http.app import create_app
 from router.http.auth import policy_from_settings
 
-__all__ = ["FrontServer", "build_front_app", "ingress_app"]
+__all__ = ["FrontServer", "IngressFront", "build_front_app"]
 
 log = logging.getLogger("router.cluster.server")
 
@@ -78,10 +76,14 @@ class FrontServer:
         await asyncio.wait_for(self._serving, 30)
 
 
-def ingress_app(fleet: dict[str, Any]) -> Litestar:
-    """The app for `serve.ingress` (built on the ingress replica, handles found by name)."""
-    config = FleetConfig.model_validate(fleet)
-    assert config.cluster is not None
-    app_name = config.cluster.app_name
-    devices = {t: serve.get_deployment_handle(device_deployment(t), app_name) for t in config.cluster.node_types}
-    return build_front_app(config, devices, serve.get_deployment_handle(PLACEMENT, app_name))
+class IngressFront:
+    """For `serve.ingress()`: the same app, built on the ingress replica behind Ray's HTTP proxy."""
+
+    def __init__(self, fleet: dict[str, Any], devices: dict[str, DeploymentHandle[Any]],
+                 placement: DeploymentHandle[Any]) -> None:
+        self._fleet = FleetConfig.model_validate(fleet)
+        self._devices = devices
+        self._placement = placement
+
+    def __serve_build_asgi_app__(self) -> Litestar:
+        return build_front_app(self._fleet, self._devices, self._placement)
