@@ -197,17 +197,22 @@ class ModelConfig(_Strict):
         return [self.device or "cpu"]
 
 
-class ReplicaBounds(_Strict):
+class _Bounds(_Strict):
+    min: int
+    max: int
+
+    @model_validator(mode="after")
+    def _ordered(self) -> _Bounds:
+        if self.min > self.max:
+            raise ValueError(f"min {self.min} is above max {self.max}; accepted: min <= max")
+        return self
+
+
+class ReplicaBounds(_Bounds):
     """How many device replicas of one node type Ray runs: fixed when min = max, else autoscaled."""
 
     min: int = Field(1, ge=0, le=10_000)
     max: int = Field(1, ge=1, le=10_000)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> ReplicaBounds:
-        if self.min > self.max:
-            raise ValueError(f"min {self.min} is above max {self.max}; accepted: min <= max")
-        return self
 
 
 class NodeTypeConfig(_Strict):
@@ -231,17 +236,11 @@ class NodeTypeConfig(_Strict):
         return self
 
 
-class CopiesConfig(_Strict):
+class CopiesConfig(_Bounds):
     """How many replicas hold a model: min always resident, up to max while it is busy."""
 
     min: int = Field(0, ge=0, le=10_000, description="copies kept resident (0: loaded on demand)")
     max: int = Field(1, ge=1, le=10_000, description="copies a busy model may gain")
-
-    @model_validator(mode="after")
-    def _ordered(self) -> CopiesConfig:
-        if self.min > self.max:
-            raise ValueError(f"min {self.min} is above max {self.max}; accepted: min <= max")
-        return self
 
 
 class AutoscalingConfig(_Strict):
