@@ -52,7 +52,9 @@ def fleet(store: Path, budget: str, models: str, port: int, replicas: int, copie
 
 def loadgen(url: str, targets: list[str], *args: str) -> dict[str, Any]:
     done = subprocess.run([sys.executable, "-m", "benchmarks.loadgen", "--url", url, *[f"--target={t}" for t in targets],
-                           "--timeout", "30", *args], cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+                           "--timeout", "30", *args], cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"loadgen failed ({done.returncode}): {done.stderr[-2000:]}")
     report: dict[str, Any] = json.loads(done.stdout)
     return report
 

@@ -31,6 +31,7 @@ CONCURRENCY = 16
 def ray_deployment(max_models: int, store: Path) -> Any:
     from ray import serve
     from starlette.requests import Request
+    from starlette.responses import Response
 
     @serve.deployment(num_replicas=1, max_ongoing_requests=CONCURRENCY, ray_actor_options={"num_cpus": 0})
     class Multiplexed:
@@ -41,7 +42,8 @@ def ray_deployment(max_models: int, store: Path) -> Any:
         async def __call__(self, request: Request) -> Any:
             plugin = await self.get_model(request.url.path.strip("/"))
             body = await request.body()
-            return await asyncio.to_thread(_run, plugin, body)
+            answer = await asyncio.to_thread(_run, plugin, body)
+            return Response(json.dumps(answer), media_type="application/json")  # with a Content-Length
 
     return Multiplexed.bind()
 
