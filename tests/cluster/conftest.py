@@ -26,8 +26,10 @@ from tests.conftest import REPO, free_port
 APP = "model-router"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Any]:
+    """Module-scoped: Ray's processes are this process's children, and must be gone before other
+    tests (which count their children) run."""
     try:
         import ray
         from ray import serve
