@@ -68,18 +68,6 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
             targets.append(_target("photo: four ResNet18 models round-robin / one model (c16)", four["ratio"], 0.9,
                                    detail=f"{four['rps']} rps; per server CPU-second {four['per_cpu_s']} "
                                           f"(ratio {four['ratio_per_cpu_s']})"))
-    if "residency" in runs:
-        w = runs["residency"]
-        two, every = w["two_of_four"], w["all_resident"]
-        targets.append(_target("residency: round robin over 4 ResNet18s, 2 resident / all 4 resident",
-                               _ratio(two["throughput_rps"], every["throughput_rps"]), 0.8,
-                               detail=f"{two['throughput_rps']} vs {every['throughput_rps']} rps; {two['loads']} loads, "
-                                      f"{two['evictions']} evictions; statuses {two['statuses']}"))
-        if "ray_multiplex" in w:
-            ray = w["ray_multiplex"]
-            targets.append(_target("residency: router holding 2 of 4 / Ray Serve multiplexing holding 2 of 4",
-                                   _ratio(two["throughput_rps"], ray["two_of_four"]["throughput_rps"]), 1.5,
-                                   detail=f"Ray {ray['two_of_four']['throughput_rps']} rps"))
     if "accelerator" in runs:
         w = runs["accelerator"]
         limit = w["limit"].get("analytic_rps")
@@ -105,6 +93,35 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
                                detail=f"without {page['without_rps']} rps, with {page['with_page_rps']} rps; "
                                       f"router CPU per request with / without {page['cpu_per_request_ratio']}; "
                                       f"the page's Chromium used {page['browser_cpu_share']} of a core"))
+    return targets + _scenario_targets(results.get("scenarios", {}))
+
+
+def _scenario_targets(scenarios: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cluster's targets (issue 13) and residency against Ray Serve's multiplexing (issue 11)."""
+    targets: list[dict[str, Any]] = []
+    if "cluster" in scenarios:
+        c = scenarios["cluster"]
+        one, two = c["throughput"]["one_replica"], c["throughput"]["two_replicas"]
+        targets.append(_target("cluster: two device replicas / one, accelerator at concurrency 128", c["throughput"]["ratio"],
+                               1.6, detail=f"{two['throughput_rps']} / {one['throughput_rps']} rps"))
+        p50 = c["latency"]["p50_ms"]
+        targets.append(_target("cluster: added p50 over one process, no-op model at concurrency 1 (ms)",
+                               c["latency"]["added_p50_ms"]["cluster_front"], 3.0, at_most=True,
+                               detail=f"single {p50['single_process']} ms, our front {p50['cluster_front']} ms, "
+                                      f"Ray proxy + serve.ingress {p50['ray_proxy_ingress']} ms"))
+        rr = c["round_robin"]
+        targets.append(_target("cluster: four on-demand models, two per replica: served without a load",
+                               rr["served_without_load"], 0.95,
+                               detail=f"{rr['statuses']} at {rr['throughput_rps']} rps, {rr['replicas_serving']} replicas serving"))
+    if "multiplex" in scenarios:
+        m = scenarios["multiplex"]
+        r = m["ratios"]
+        rps = {f"{s}/{k}": v["throughput_rps"] for s in ("router", "ray_serve") for k, v in m[s].items()}
+        targets.append(_target("residency: router holding two of four / all four resident",
+                               r["router_two_of_four_over_all_4"], 0.8, detail=f"{rps}"))
+        targets.append(_target("residency: router holding two of four / Ray Serve multiplexing max 2",
+                               r["router_two_of_four_over_ray_max_2"], 1.5,
+                               detail=f"Ray max 2 / all 4: {r['ray_max_2_over_all_4']}"))
     return targets
 
 
@@ -114,13 +131,12 @@ def _row(cells: list[str], widths: list[int]) -> str:
 
 def _rows(results: dict[str, Any]) -> list[list[str]]:
     rows = [["workload", "system", "load", "ok rps", "good rps", "p50 ms", "p90 ms", "p99 ms", "statuses", "RSS MB"]]
+    for name, system, label, r in _scenario_runs(results.get("scenarios", {})):
+        statuses = " ".join(f"{k}:{v}" for k, v in sorted(r["statuses"].items()))
+        rows.append([name, system, label, str(r["throughput_rps"]), str(r["goodput_rps"]), str(r["ok_ms"]["p50"]),
+                     str(r["ok_ms"]["p90"]), str(r["ok_ms"]["p99"]), statuses, ""])
     for name, w in results["workloads"].items():
         if name == "residency":
-            for label in ("all_resident", "two_of_four"):
-                r = w[label]
-                rows.append([name, "router", f"{label}, c=16 round robin", str(r["throughput_rps"]), str(r["goodput_rps"]),
-                             str(r["ok_ms"]["p50"]), str(r["ok_ms"]["p90"]), str(r["ok_ms"]["p99"]),
-                             " ".join(f"{k}:{v}" for k, v in sorted(r["statuses"].items())), ""])
             for model, c in w["cold_start"].items():
                 rows.append([name, "router", f"cold start {model}", "", "", f"first load {c['first_load_s']} s",
                              f"reload {c['reload_s']} s", "", "", ""])
@@ -140,6 +156,21 @@ def _rows(results: dict[str, Any]) -> list[list[str]]:
                 rows.append([name, system, label, str(r["throughput_rps"]), str(r["goodput_rps"]),
                              str(r["ok_ms"]["p50"]), str(r["ok_ms"]["p90"]), str(r["ok_ms"]["p99"]), statuses, str(rss)])
     return rows
+
+
+def _scenario_runs(scenarios: dict[str, Any]) -> list[tuple[str, str, str, dict[str, Any]]]:
+    runs = []
+    if "cluster" in scenarios:
+        c = scenarios["cluster"]
+        runs += [("cluster", "router on Ray", "accel c=128, 1 replica", c["throughput"]["one_replica"]),
+                 ("cluster", "router on Ray", "accel c=128, 2 replicas", c["throughput"]["two_replicas"])]
+        runs += [("cluster", name, "no-op c=1", run) for name, run in c["latency"]["runs"].items()]
+        runs.append(("cluster", "router on Ray", "4 models, 2/replica, c=16", c["round_robin"]))
+    if "multiplex" in scenarios:
+        m = scenarios["multiplex"]
+        runs += [("multiplex", system, f"4 x ResNet18, {label}, c=16", run)
+                 for system in ("router", "ray_serve") for label, run in m[system].items()]
+    return runs
 
 
 def render(results: dict[str, Any]) -> str:

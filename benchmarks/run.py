@@ -36,6 +36,8 @@ __all__ = ["Plan", "loadgen", "main"]
 
 DEADLINE_S = 1.0
 OPEN_MULTIPLES = (0.5, 1.0, 2.0, 5.0)
+#: Workloads that run as one module in their own process (they start Ray): name -> module.
+SCENARIOS = {"cluster": "benchmarks.cluster", "multiplex": "benchmarks.multiplex"}
 
 
 @dataclass(frozen=True)
@@ -199,6 +201,8 @@ def _cpu_seconds(process: psutil.Process) -> float:
             continue
         total += times.user + times.system
     return total
+
+
 def preprocess_costs(plan: Plan) -> dict[str, Any]:
     """benchmarks.preprocess in its own process (it pins torch and OpenCV to one thread)."""
     rounds = "8" if plan.limit_s < 2 else "40"
@@ -207,6 +211,18 @@ def preprocess_costs(plan: Plan) -> dict[str, Any]:
     if done.returncode != 0:
         raise RuntimeError(f"preprocessing benchmark failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def run_scenario(name: str, store: Path, scratch: Path, plan: Plan) -> dict[str, Any]:
+    """A scenario module's JSON (the cluster on local Ray, Ray Serve's multiplexing)."""
+    command = [sys.executable, "-m", SCENARIOS[name], "--seconds", str(plan.closed_s), "--store", str(store),
+               "--scratch", str(scratch)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=1200, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed ({done.returncode}): {done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"[{name}] {json.dumps(result)[:600]}", flush=True)
+    return result
 
 
 def _brief(runs: dict[str, Any]) -> str:
@@ -233,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a short smoke run (figures not meaningful)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
     parser.add_argument("--store", type=Path, default=REPO / "model_store")
-    parser.add_argument("--workload", action="append", choices=sorted([*WORKLOADS, "residency"]), help="default: all")
+    parser.add_argument("--workload", action="append", choices=sorted([*WORKLOADS, "residency", *SCENARIOS]),
+                        help="default: all")
     parser.add_argument("--skip-page", action="store_true", help="skip throughput with the live page open")
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
@@ -244,9 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"machine": machine(), "command": "make bench", "plan": plan.__dict__,
                                "deadline_s": DEADLINE_S, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "workloads": {}}
-    for name in args.workload or [*WORKLOADS, "residency"]:
+    for name in args.workload or [*WORKLOADS, "residency", *SCENARIOS]:
+        if name in SCENARIOS:
+            results["scenarios"] = {**results.get("scenarios", {}), name: run_scenario(name, args.store.resolve(),
+                                                                                     scratch, plan)}
+            continue
         if name == "residency":
-            results["workloads"][name] = run_residency(args.store.resolve(), scratch, plan.open_s * 2, plan.warm_s)
+            results["workloads"][name] = run_residency(args.store.resolve(), scratch)
             continue
         results["workloads"][name] = run_workload(WORKLOADS[name], args.store.resolve(), scratch, plan,
                                                   sweep=name == "resnet18")

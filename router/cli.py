@@ -12,7 +12,7 @@ from pathlib import Path
 
 from router.config import ServerSettings
 from router.errors import ConfigError
-from router.http.auth import AccessPolicy, read_keys
+from router.http.auth import AccessPolicy, policy_from_settings
 from router.serving.plan import FleetPlan, load_plan
 from router.serving.registry import PluginRegistry
 
@@ -64,12 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def access_policy(settings: ServerSettings) -> AccessPolicy:
-    return AccessPolicy(
-        predict_keys=read_keys(settings.api_keys, settings.api_keys_file, "MODEL_ROUTER_API_KEYS"),
-        admin_keys=read_keys(settings.admin_keys, settings.admin_keys_file, "MODEL_ROUTER_ADMIN_KEYS"),
-        protect_health=settings.protect_health,
-        protect_metrics=settings.protect_metrics,
-    )
+    return policy_from_settings(settings)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -179,6 +174,27 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return 0 if reply.status_code == 200 else 1
 
 
+def cmd_cluster(args: argparse.Namespace) -> int:
+    """Deploy a fleet onto a running Ray cluster, show it, or take it down (needs model-router[ray])."""
+    try:
+        from router.cluster import commands
+    except ImportError as exc:
+        print(f"model-router: cluster needs Ray Serve: pip install 'model-router[ray]' ({exc})", file=sys.stderr)
+        return 2
+    try:
+        if args.cluster_command == "deploy":
+            commands.print_json(commands.deploy(args.config, args.address, ingress=args.ingress))
+        elif args.cluster_command == "status":
+            commands.print_json(commands.status(args.address, args.app))
+        else:
+            commands.shutdown(args.address, args.app)
+            print(f"model-router: application {args.app!r} deleted", file=sys.stderr)
+    except ConfigError as exc:
+        print(f"model-router: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="model-router", description=__doc__)
     sub = root.add_subparsers(dest="command", required=True)
@@ -218,6 +234,18 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("--out", type=Path, help="path of the first file written (default: MODEL_STORE/MODEL.onnx); "
                                                  "an engine goes beside the ONNX file")
     export.set_defaults(func=cmd_export)
+    cluster = sub.add_parser("cluster", help="scale out on a Ray cluster: deploy, status, shutdown (model-router[ray])")
+    cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
+    deploy = cluster_sub.add_parser("deploy", help="deploy a fleet file with a cluster: section onto Ray Serve")
+    deploy.add_argument("--config", type=Path, default=Path(os.environ.get("MODEL_ROUTER_CONFIG", "config/fleet.yaml")))
+    deploy.add_argument("--ingress", action="store_true",
+                        help="serve HTTP through Ray Serve's proxy (serve.ingress) instead of the router's own front")
+    for command in (deploy, cluster_sub.add_parser("status", help="the application, its replicas, where models are"),
+                    cluster_sub.add_parser("shutdown", help="delete the application (replicas drain first)")):
+        command.add_argument("--address", default="auto", help="the Ray cluster (default auto: the local node's)")
+        if command is not deploy:
+            command.add_argument("--app", default="model-router", help="the Serve application (cluster.app_name)")
+        command.set_defaults(func=cmd_cluster)
     return root
 
 

@@ -27,7 +27,12 @@ from router.devices import check_device_name
 from router.errors import ConfigError
 
 __all__ = [
+    "AutoscalingConfig",
     "BatchPolicy",
+    "ClusterConfig",
+    "CopiesConfig",
+    "FrontConfig",
+    "NodeTypeConfig",
     "DeviceConfig",
     "ExecutionConfig",
     "FleetConfig",
@@ -202,6 +207,98 @@ class ModelConfig(_Strict):
         return [self.device or "cpu"]
 
 
+class _Bounds(_Strict):
+    min: int
+    max: int
+
+    @model_validator(mode="after")
+    def _ordered(self) -> _Bounds:
+        if self.min > self.max:
+            raise ValueError(f"min {self.min} is above max {self.max}; accepted: min <= max")
+        return self
+
+
+class ReplicaBounds(_Bounds):
+    """How many device replicas of one node type Ray runs: fixed when min = max, else autoscaled."""
+
+    min: int = Field(1, ge=0, le=10_000)
+    max: int = Field(1, ge=1, le=10_000)
+
+
+class NodeTypeConfig(_Strict):
+    """One kind of device replica: what device it drives and what Ray reserves for it."""
+
+    device: Literal["cuda", "cpu"] = Field("cuda", description="cuda: one GPU per replica (cuda:0 inside it); cpu")
+    num_gpus: float = Field(1.0, ge=0, le=64, description="Ray GPUs per replica; a fraction shares a GPU")
+    num_cpus: float = Field(1.0, ge=0, le=1024, description="Ray CPUs per replica")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
+    replicas: ReplicaBounds = ReplicaBounds()
+    memory_budget: ByteSize | None = Field(None, description="each replica's device budget (default: devices.<device>)")
+    max_ongoing_requests: int = Field(256, ge=1, le=100_000, description="requests Ray sends a replica at once")
+    models: list[str] | None = Field(None, description="the models it may serve (default: all)")
+
+    @model_validator(mode="after")
+    def _gpu_for_cuda(self) -> NodeTypeConfig:
+        if self.device == "cuda" and self.num_gpus == 0:
+            raise ValueError("device cuda needs num_gpus > 0 (a whole GPU: 1, or a share like 0.5)")
+        if self.device == "cpu" and self.num_gpus != 0:
+            raise ValueError(f"device cpu takes num_gpus: 0, got {self.num_gpus}")
+        return self
+
+
+class CopiesConfig(_Bounds):
+    """How many replicas hold a model: min always resident, up to max while it is busy."""
+
+    min: int = Field(0, ge=0, le=10_000, description="copies kept resident (0: loaded on demand)")
+    max: int = Field(1, ge=1, le=10_000, description="copies a busy model may gain")
+
+
+class AutoscalingConfig(_Strict):
+    """Ray's replica autoscaler, and when a model gains or loses a copy."""
+
+    target_ongoing_requests: float = Field(32.0, gt=0, description="per replica: Ray adds replicas above this")
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+    metrics_interval_s: float = Field(1.0, gt=0, description="how often replicas report their load to Ray")
+    copy_target_in_flight: float = Field(16.0, gt=0, description="per copy: a model gains a copy above this")
+    copy_idle_s: float = Field(60.0, gt=0, description="an extra copy unused this long is released")
+
+
+class FrontConfig(_Strict):
+    """The HTTP front: our app in its own Ray replica, calling device replicas through deployment handles."""
+
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=1, le=65535)
+    replicas: int = Field(1, ge=1, le=1000, description="front replicas, at most one per node")
+    num_cpus: float = Field(1.0, ge=0, le=1024)
+    resources: dict[str, float] = Field(default_factory=dict)
+
+
+class ClusterConfig(_Strict):
+    """Scale-out on a Ray cluster: one router replica per device, placed and restarted by Ray Serve."""
+
+    app_name: str = Field("model-router", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    node_types: dict[str, NodeTypeConfig] = Field(default_factory=lambda: {"gpu": NodeTypeConfig()})
+    copies: CopiesConfig = CopiesConfig()
+    models: dict[str, CopiesConfig] = Field(default_factory=dict, description="per-model copies")
+    autoscaling: AutoscalingConfig = AutoscalingConfig()
+    front: FrontConfig = FrontConfig()
+    stats_period_s: float = Field(0.5, gt=0, le=60, description="how often replicas report to the routers")
+
+    @field_validator("node_types")
+    @classmethod
+    def _some_node_type(cls, value: dict[str, NodeTypeConfig]) -> dict[str, NodeTypeConfig]:
+        if not value:
+            raise ValueError("node_types is empty; add one, like {gpu: {device: cuda, num_gpus: 1}}")
+        for name in value:
+            if not re.match(r"^[a-z0-9][a-z0-9-]{0,31}$", name):
+                raise ValueError(f"node type name {name!r} is not valid; accepted: lower-case letters, digits, '-'")
+        return value
+
+    def copies_of(self, model: str) -> CopiesConfig:
+        return self.models.get(model, self.copies)
+
+
 class FleetConfig(_Strict):
     """The whole fleet file."""
 
@@ -209,6 +306,7 @@ class FleetConfig(_Strict):
     allow_absolute_paths: bool = False
     devices: dict[str, DeviceConfig] = Field(default_factory=dict)
     models: dict[str, ModelConfig]
+    cluster: ClusterConfig | None = Field(None, description="scale-out on Ray Serve (model-router cluster deploy)")
 
     @field_validator("devices")
     @classmethod
@@ -238,6 +336,19 @@ class FleetConfig(_Strict):
             for device in model.instance_devices:
                 devices.setdefault(device, DeviceConfig())
         object.__setattr__(self, "devices", devices)
+        return self
+
+    @model_validator(mode="after")
+    def _cluster_names_models(self) -> FleetConfig:
+        """The cluster section may only name models of the fleet."""
+        if self.cluster is None:
+            return self
+        named = [("cluster.models", name) for name in self.cluster.models]
+        for type_name, node_type in self.cluster.node_types.items():
+            named += [(f"cluster.node_types.{type_name}.models", name) for name in node_type.models or []]
+        for key, name in named:
+            if name not in self.models:
+                raise ValueError(f"{key}: no model named {name!r}; models: {', '.join(sorted(self.models))}")
         return self
 
 

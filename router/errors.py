@@ -25,6 +25,7 @@ __all__ = [
     "PayloadTooLarge",
     "PluginValidationError",
     "QueueFull",
+    "ReplicaLost",
     "RouterError",
     "ShuttingDown",
     "Unauthorized",
@@ -108,6 +109,12 @@ class ShuttingDown(Overloaded):
 
 class ModelUnavailable(Overloaded):
     """The model is not loaded, is still warming up, or failed to load."""
+
+
+class ReplicaLost(Overloaded):
+    """The cluster replica holding the request died or became unreachable (Ray restarts it)."""
+
+    outcome = "replica_lost"
 
 
 class DeviceOutOfMemory(Overloaded):

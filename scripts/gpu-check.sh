@@ -9,7 +9,9 @@
 #   2. scripts/gpu_engine_check.py: both demo models exported to ONNX, and to TensorRT where it is
 #      installed (ResNet in fp16), a short load of every engine through a real router beside its
 #      eager original with their answers compared at batch 1 and 8, and the scheduler's ledger
-#      compared with NVML's readings under load.
+#      compared with NVML's readings under load;
+#   3. scripts/gpu_cluster_check.py: the Ray cluster with two device replicas on one GPU
+#      (num_gpus: 0.5 each), NVML admission in each, round robin through the cluster front.
 # Writes OUT_DIR/results.md, a short table of every check, and the logs beside it.
 #   bash scripts/gpu-check.sh [OUT_DIR]
 set -uo pipefail
@@ -45,6 +47,9 @@ engines_status=${PIPESTATUS[0]}
 [ "$engines_status" -eq 124 ] && echo "| engine checks | FAIL | timed out after 300 s; see engines.log |" >> "$out/engines/engines.md"
 "$python" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" && PYTHONUNBUFFERED=1 timeout 240 "$python" -m benchmarks.gpu --out "$out/bench" 2>&1 | tee "$out/bench.log"  # GPU benchmark: models sharing the card, ledger vs NVML
 
+"$python" -c "import sys, torch, ray; sys.exit(not torch.cuda.is_available())" 2>/dev/null \
+    && PYTHONUNBUFFERED=1 timeout 300 "$python" scripts/gpu_cluster_check.py "$out" 2>&1 | tee "$out/cluster.log"
+
 "$python" - "$out/gpu-tests.xml" "$out/engines/engines.md" <<'PY' | tee "$out/results.md"
 import sys
 import xml.etree.ElementTree as ET
@@ -65,6 +70,8 @@ else:
         print(f"| test {case.get('name')} | {outcome} | {detail} |")
 engines = Path(sys.argv[2])
 rows = engines.read_text().splitlines()[2:] if engines.is_file() else ["| engine checks | FAIL | no engines.md |"]
+cluster = engines.parent.parent / "cluster.md"
+rows += cluster.read_text().splitlines()[2:] if cluster.is_file() else ["| cluster check | not run | no GPU or no Ray |"]
 print("\n".join(rows))
 PY
 [ "$status" -ne 0 ] && exit "$status"

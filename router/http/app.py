@@ -30,7 +30,7 @@ from router.http.request_state import mark_received, received_at, runtime_of
 from router.http.ui import ui_router
 from router.logs import request_id_var
 from router.sdk.plugin import Payload
-from router.serving.runtime import Runtime
+from router.serving.facade import ServingFacade
 
 __all__ = ["create_app"]
 
@@ -216,13 +216,16 @@ def _access_line(scope: Scope, status: int, seconds: float) -> None:
 
 
 def create_app(
-    runtime: Runtime,
+    runtime: ServingFacade,
     *,
     max_body_bytes: int = 20 * 1024 * 1024,
     drain_timeout_s: float = 30.0,
     access_policy: AccessPolicy | None = None,
+    bound_metrics: RouterMetrics | None = None,
 ) -> Litestar:
-    """The Litestar app around a runtime. The runtime starts in the lifespan and loads models in the background."""
+    """The Litestar app around a runtime (or any serving façade). The runtime starts in the lifespan
+    and loads models in the background. `bound_metrics`: a registry already bound to the runtime, with
+    collectors of its own (the cluster's); by default a fresh one bound here."""
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -245,8 +248,10 @@ def create_app(
         logging_config=None,
     )
     app.state.runtime = runtime
-    router_metrics = RouterMetrics()
-    router_metrics.bind(runtime)
+    router_metrics = bound_metrics
+    if router_metrics is None:
+        router_metrics = RouterMetrics()
+        router_metrics.bind(runtime)
     app.state.metrics = router_metrics
     app.state.access_policy = access_policy or AccessPolicy()
     return app

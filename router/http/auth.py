@@ -15,9 +15,10 @@ from typing import Any
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
+from router.config import ServerSettings
 from router.errors import ConfigError, Forbidden, Unauthorized
 
-__all__ = ["Access", "AccessPolicy", "access_guard", "read_keys"]
+__all__ = ["Access", "AccessPolicy", "access_guard", "policy_from_settings", "read_keys"]
 
 
 class Access(str, Enum):
@@ -99,3 +100,13 @@ async def access_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: 
     if access is None:
         access = Access.OPEN if connection.scope["path"].startswith("/schema") else Access.PREDICT
     policy.check(Access(access), connection.headers.get("authorization"))
+
+
+def policy_from_settings(settings: ServerSettings) -> AccessPolicy:
+    """The keys and protections the MODEL_ROUTER_* settings ask for."""
+    return AccessPolicy(
+        predict_keys=read_keys(settings.api_keys, settings.api_keys_file, "MODEL_ROUTER_API_KEYS"),
+        admin_keys=read_keys(settings.admin_keys, settings.admin_keys_file, "MODEL_ROUTER_ADMIN_KEYS"),
+        protect_health=settings.protect_health,
+        protect_metrics=settings.protect_metrics,
+    )

@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from router.serving.runtime import Runtime
+    from router.serving.facade import ServingFacade
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 
@@ -101,7 +101,7 @@ class RouterMetrics:
         if seconds <= deadline_s:
             self.within_deadline.labels(model).inc()
 
-    def bind(self, runtime: Runtime) -> None:
+    def bind(self, runtime: ServingFacade) -> None:
         """Receive the runtime's events and read its state at scrape time."""
         runtime.add_telemetry(self)
         for name in runtime.model_names():  # a ratio's numerator exists (at 0) before its first event
@@ -113,7 +113,7 @@ class RouterMetrics:
 
 
 class _StateCollector(Collector):
-    def __init__(self, runtime: Callable[[], Runtime]) -> None:
+    def __init__(self, runtime: Callable[[], ServingFacade]) -> None:
         self._runtime = runtime
 
     def collect(self) -> Iterable[Metric]:
@@ -138,7 +138,7 @@ class _StateCollector(Collector):
         yield from _device_families(runtime)
 
 
-def _device_families(runtime: Runtime) -> Iterable[Metric]:
+def _device_families(runtime: ServingFacade) -> Iterable[Metric]:
     reserved = GaugeMetricFamily("model_router_ledger_reserved_bytes", "Bytes reserved by running batches.", labels=["device"])
     weights = GaugeMetricFamily("model_router_ledger_weights_bytes", "Bytes booked for loaded weights.", labels=["device"])
     peak = GaugeMetricFamily("model_router_ledger_peak_bytes", "Highest ledger total seen.", labels=["device"])

@@ -8,14 +8,14 @@ from typing import Any
 from litestar import Request
 from litestar.types import Scope
 
-from router.serving.runtime import Runtime
+from router.serving.facade import ServingFacade
 
 __all__ = ["mark_received", "received_at", "runtime_of"]
 
 
-def runtime_of(request: Request[Any, Any, Any]) -> Runtime:
+def runtime_of(request: Request[Any, Any, Any]) -> ServingFacade:
     """The runtime behind the app that serves `request`."""
-    runtime: Runtime = request.app.state.runtime
+    runtime: ServingFacade = request.app.state.runtime
     return runtime
 
 

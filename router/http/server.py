@@ -11,7 +11,7 @@ from typing import Any
 
 import uvicorn
 
-from router.serving.runtime import Runtime
+from router.serving.facade import ServingFacade
 
 __all__ = ["DrainingServer"]
 
@@ -22,7 +22,7 @@ class DrainingServer(uvicorn.Server):
     """First signal: refuse new requests (503), drain queued and running work, then exit.
     A second signal falls through to uvicorn's own handling."""
 
-    def __init__(self, config: uvicorn.Config, runtime: Runtime, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, runtime: ServingFacade, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.runtime = runtime
         self.drain_timeout_s = drain_timeout_s

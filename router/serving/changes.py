@@ -116,6 +116,20 @@ class FleetChanges:
             res.pulse()  # requests waiting for a load get 503 now
             return await self._unload(deployment, "admin", "unloaded by an operator")
 
+    async def release(self, name: str, unload: bool) -> list[UnloadReport]:
+        """Drop a hold (an operator's or the cluster placement's load): the model is on demand
+        again. With `unload`, an on-demand model that holds no request unloads now; one in use
+        stays for residency to evict later. It is never held down: a request loads it again."""
+        async with self._lock:
+            deployment = self._deployment(name)
+            res = deployment.residency
+            res.held = False
+            res.pulse()
+            self._fleet.notify(deployment)
+            if not unload or not deployment.on_demand or res.holders or deployment.queue.occupancy:
+                return []
+            return await self._unload(deployment, "released", "released by the cluster's placement")
+
     async def _unload(self, deployment: Deployment, kind: str, why: str) -> list[UnloadReport]:
         while deployment.loading:  # a load in flight finishes first, then unloads
             changed = deployment.residency.changed

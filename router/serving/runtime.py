@@ -161,6 +161,11 @@ class Runtime:
         """One model's snapshot; ModelNotFound (404) for an unknown name."""
         return model_info(self._deployment(name), self.clock())
 
+    def is_serving(self, name: str) -> bool:
+        """The model has an instance serving now (False for an unknown name); cheaper than `model()`."""
+        deployment = self._deployments.get(name)
+        return deployment is not None and deployment.serving
+
     def devices(self) -> list[DeviceInfo]:
         """Every configured device: budget, live reading and ledger, or why it is unavailable."""
         infos = [device_info(s) for s in self._schedulers.values()]
@@ -182,6 +187,11 @@ class Runtime:
     async def unload_model(self, name: str) -> tuple[ModelInfo, list[UnloadReport]]:
         """Unload a model now (queued requests get 503) and keep it out until an operator loads it."""
         reports = await self._changes.unload(name)
+        return self.model(name), reports
+
+    async def release_model(self, name: str, *, unload: bool = False) -> tuple[ModelInfo, list[UnloadReport]]:
+        """Undo `load_model`'s hold: on demand again; with `unload`, unloaded now if nothing uses it."""
+        reports = await self._changes.release(name, unload)
         return self.model(name), reports
 
     async def put_model(self, name: str, section: Mapping[str, Any], source: str = "PUT /models") -> tuple[str, ModelInfo]:

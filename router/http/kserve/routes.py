@@ -38,7 +38,8 @@ from router.http.kserve.codec import (
 from router.http.request_state import received_at, runtime_of
 from router.logs import request_id_var
 from router.sdk.plugin import Payload
-from router.serving.runtime import Answer, Runtime
+from router.serving.facade import ServingFacade
+from router.serving.runtime import Answer
 from router.serving.snapshots import ModelInfo
 
 __all__ = ["v2_router"]
@@ -131,7 +132,7 @@ def _decode(
 
 
 async def _submit_all(
-    runtime: Runtime, model: str, payloads: Sequence[Payload], priority: int | None, timeout_ms: float | None,
+    runtime: ServingFacade, model: str, payloads: Sequence[Payload], priority: int | None, timeout_ms: float | None,
     arrived: float | None,
 ) -> list[Answer]:
     """Submit every item at once so they share the queue and the batcher; answers in item order.

@@ -1,0 +1,286 @@
+"""`ClusterRuntime`: the serving façade of a whole cluster, for the same HTTP app as one process.
+
+It has `Runtime`'s verbs and snapshots (`router.serving.facade.ServingFacade`), so the Litestar
+app (native API, KServe V2, auth, limits, request ids, metrics) serves a cluster unchanged.
+`submit` sends a request to a device replica through `ReplicaCalls` (Ray deployment handles in
+production, `router.cluster.calls`); Ray's request router picks the replica (`ray_router`). A
+replica that refuses before running anything (queue full, predicted deadline miss, shutting
+down, no room) is avoided and another is tried while the deadline allows; the client gets the
+503 with Retry-After only when none can take it. A replica that dies under a request answers
+503 (`ReplicaLost`); one that does not answer in time, 504. Snapshots merge the replicas'
+latest reports, refreshed from the placement controller every `cluster.stats_period_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from router.cluster.layout import cluster_of, copy_policies, served_models
+from router.cluster.reports import ErrorReply, ReplicaReport, Reply
+from router.cluster.view import cluster_devices, cluster_model
+from router.config import FleetConfig, ModelConfig
+from router.errors import (
+    DeadlineExceeded,
+    InputError,
+    ModelNotFound,
+    ModelUnavailable,
+    RouterError,
+    ShuttingDown,
+    outcome_of,
+)
+from router.sdk.plugin import Payload
+from router.serving.changes import ReloadReport
+from router.serving.fleet import UnloadReport
+from router.serving.runtime import Answer
+from router.serving.snapshots import DeviceInfo, ModelInfo
+from router.serving.telemetry import Telemetry, TelemetryFanout
+
+__all__ = ["ClusterRuntime", "PredictCall", "ReplicaCalls"]
+
+log = logging.getLogger("router.cluster.front")
+#: Beyond a request's deadline and its model's execution timeout, how long the front waits for a
+#: replica before answering 504 itself (a replica that hangs or whose node vanished).
+GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class PredictCall:
+    """One request as a device replica takes it."""
+
+    model: str
+    body: bytes
+    media_type: str
+    filename: str | None
+    priority: int | None
+    timeout_ms: float
+    request_id: str
+
+
+class ReplicaCalls(Protocol):
+    """How the front reaches the replicas (Ray deployment handles, or a test's fakes)."""
+
+    async def predict(self, node_type: str, call: PredictCall, avoid: tuple[str, ...], wait_s: float) -> Reply:
+        """Raises ReplicaLost when the replica died, DeadlineExceeded after `wait_s`."""
+        ...
+
+    async def view(self) -> list[ReplicaReport]: ...
+    async def admin(self, verb: str, model: str) -> None: ...
+
+
+class ClusterRuntime:
+    def __init__(self, fleet: FleetConfig, calls: ReplicaCalls, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.fleet = fleet
+        self.cluster = cluster_of(fleet)
+        self.calls = calls
+        self.clock = clock
+        self.telemetry = TelemetryFanout()
+        self.policies = copy_policies(fleet)
+        self._types = {m: [t for t in self.cluster.node_types if m in served_models(fleet, t)] for m in fleet.models}
+        self.reports: list[ReplicaReport] = []
+        self.requests: dict[str, Counter[str]] = {m: Counter() for m in fleet.models}
+        self.cold: Counter[str] = Counter()
+        self.retries: Counter[str] = Counter()
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._draining = False
+        self._refresher: asyncio.Task[None] | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._refresher = asyncio.create_task(self._refresh_loop(), name="cluster-view")
+
+    async def refresh(self) -> None:
+        try:
+            self.reports = await self.calls.view()
+        except Exception as exc:  # placement restarting: keep the last view
+            log.warning("cluster view not refreshed: %s: %s", type(exc).__name__, exc)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cluster.stats_period_s)
+            await self.refresh()
+
+    def add_telemetry(self, sink: Telemetry) -> None:
+        self.telemetry.sinks.append(sink)
+
+    @property
+    def ready(self) -> bool:
+        """Not draining, a replica of every node type reports, every model with a min copy has one serving."""
+        if self._draining or not all(any(r.node_type == t for r in self.reports) for t in self.cluster.node_types):
+            return False
+        serving = {m for r in self.reports for m, load in r.loads.items() if load.resident}
+        return all(m in serving for m, policy in self.policies.items() if policy.min > 0)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def in_flight(self) -> int:
+        return self._inflight
+
+    def begin_drain(self) -> None:
+        self._draining = True
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests; wait for those in flight (the replicas answer every one)."""
+        self.begin_drain()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            log.warning("drain timeout with %d request(s) in flight", self._inflight)
+
+    async def stop(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+
+    # -- snapshots ----------------------------------------------------------------------------
+
+    def model_names(self) -> list[str]:
+        return list(self.fleet.models)
+
+    def models(self) -> list[ModelInfo]:
+        return [self.model(name) for name in self.fleet.models]
+
+    def model(self, name: str) -> ModelInfo:
+        self._config(name)
+        extra = {"cold_requests": self.cold[name], "retries": self.retries[name]}
+        return cluster_model(name, self.fleet, self.reports, self.policies[name], self.requests[name], extra)
+
+    def devices(self) -> list[DeviceInfo]:
+        return cluster_devices(self.reports)
+
+    def _config(self, name: str) -> ModelConfig:
+        try:
+            return self.fleet.models[name]
+        except KeyError:
+            known = ", ".join(sorted(self.fleet.models)) or "none"
+            raise ModelNotFound(f"no model named {name!r}; models: {known}") from None
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def precheck(self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
+                 received_at: float | None = None) -> None:
+        """Refuse what no replica could take, from the name and headers: unknown model, bad
+        header, shutting down, no replica for the model."""
+        config = self._config(model)
+        try:
+            self._check(model, config, priority, timeout_ms)
+        except RouterError as exc:
+            self._count(model, outcome_of(exc), received_at or self.clock())
+            raise
+
+    def _check(self, model: str, config: ModelConfig, priority: int | None, timeout_ms: float | None) -> float:
+        if self._draining:
+            raise ShuttingDown("the cluster front is shutting down; retry on another front", retry_after_s=5.0)
+        levels = config.queue.priority_levels
+        if priority is not None and not 1 <= priority <= levels:
+            raise InputError(f"X-Priority must be an integer from 1 to {levels}, got {priority}")
+        if timeout_ms is not None and not timeout_ms > 0:
+            raise InputError(f"X-Timeout-Ms must be a positive number of milliseconds, got {timeout_ms}")
+        if self.reports and not any(r.node_type in self._types[model] for r in self.reports):
+            raise ModelUnavailable(f"no replica of node type(s) {', '.join(self._types[model])} is up for model "
+                                   f"{model!r}; Ray is starting them", retry_after_s=5.0)
+        limit = config.queue.timeout_ms
+        return min(timeout_ms, limit) / 1000.0 if timeout_ms is not None else limit / 1000.0
+
+    def _count(self, model: str, outcome: str, started: float) -> None:
+        self.requests[model][outcome] += 1
+        self.telemetry.observe_request(model, outcome, self.clock() - started)
+
+    async def submit(self, model: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
+                     request_id: str | None = None, received_at: float | None = None) -> Answer:
+        config = self._config(model)
+        started = self.clock() if received_at is None else min(received_at, self.clock())
+        outcome = "error"
+        self._inflight += 1
+        self._idle.clear()
+        try:
+            budget_s = self._check(model, config, priority, timeout_ms)
+            answer = await self._route(model, config, payload, priority, request_id or uuid.uuid4().hex,
+                                       started + budget_s)
+            outcome = "ok"
+            return answer
+        except (RouterError, asyncio.CancelledError) as exc:
+            outcome = outcome_of(exc)
+            raise
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._idle.set()
+            self._count(model, outcome, started)
+
+    async def _route(self, model: str, config: ModelConfig, payload: Payload, priority: int | None, request_id: str,
+                     deadline: float) -> Answer:
+        """Try replicas until one takes the request: a refusal made before anything ran moves on."""
+        avoid: list[str] = []
+        refusal: ErrorReply | None = None
+        for node_type in self._types[model]:
+            for _ in range(max(1, sum(1 for r in self.reports if r.node_type == node_type))):
+                left_s = deadline - self.clock()
+                if left_s <= 0:
+                    break
+                call = PredictCall(model, payload.body, payload.media_type, payload.filename, priority,
+                                   left_s * 1000, request_id)
+                wait_s = left_s + config.execution.timeout_ms / 1000 + GRACE_S
+                reply = await self.calls.predict(node_type, call, tuple(avoid), wait_s)
+                if reply.answer is not None:
+                    self.cold[model] += reply.cold
+                    return reply.answer
+                assert reply.error is not None
+                if not reply.error.retryable:
+                    raise reply.error.error()
+                refusal = reply.error
+                self.retries[model] += 1
+                if reply.replica in avoid:  # the router had nothing else to offer
+                    break
+                avoid.append(reply.replica)
+        if refusal is not None:
+            error = refusal.error()
+            error.detail = f"every replica refused: {refusal.detail}"
+            raise error
+        raise DeadlineExceeded(f"deadline passed before a replica of model {model!r} could take the request")
+
+    # -- operators' changes ---------------------------------------------------------------------
+
+    async def load_model(self, name: str) -> ModelInfo:
+        """Keep at least one copy resident (placement places it); waits until one serves."""
+        config = self._config(name)
+        await self.calls.admin("load", name)
+        limit = self.clock() + config.load_timeout_ms / 1000
+        while not any(r.loads.get(name) and r.loads[name].resident for r in self.reports):
+            if self.clock() > limit:
+                raise ModelUnavailable(f"model {name!r} did not become resident within its load_timeout_ms")
+            await asyncio.sleep(self.cluster.stats_period_s)
+            await self.refresh()
+        return self.model(name)
+
+    async def unload_model(self, name: str) -> tuple[ModelInfo, list[UnloadReport]]:
+        """Unload every copy and keep it out (on every replica, new ones too) until loaded."""
+        self._config(name)
+        await self.calls.admin("unload", name)
+        return self.model(name), []
+
+    async def put_model(self, name: str, section: Mapping[str, Any], source: str = "PUT /models") -> tuple[str, ModelInfo]:
+        raise InputError(_REDEPLOY)
+
+    async def delete_model(self, name: str) -> None:
+        raise InputError(_REDEPLOY)
+
+    async def reload(self, path: Path | None = None) -> ReloadReport:
+        raise InputError(_REDEPLOY)
+
+
+_REDEPLOY = ("a cluster's fleet changes by deploying it again: edit the fleet file and run "
+             "`model-router cluster deploy --config FILE` (Ray Serve replaces the replicas one by one)")
