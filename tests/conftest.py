@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,9 +58,12 @@ class RouterProcess:
 
 @contextmanager
 def serve(
-    tmp_path: Path, fleet: str, *, env: dict[str, str] | None = None, wait_ready: bool = True, timeout: float = 90.0
+    tmp_path: Path, fleet: str, *, env: dict[str, str] | None = None, wait_ready: bool = True, timeout: float = 90.0,
+    memory_limit: int | None = None,
 ) -> Iterator[RouterProcess]:
-    """Write `fleet` to a file, start `python -m router serve` on a free port, wait until ready."""
+    """Write `fleet` to a file, start `python -m router serve` on a free port, wait until ready.
+    With `memory_limit` (bytes of address space, as `prlimit --as`), a regression that makes the
+    server balloon fails its test instead of exhausting the machine."""
     config = tmp_path / "fleet.yaml"
     config.write_text(fleet, encoding="utf-8")
     port = free_port()
@@ -68,7 +72,8 @@ def serve(
                  "MODEL_ROUTER_CONFIG": str(config), **(env or {})}
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen([sys.executable, "-m", "router", "serve"], cwd=REPO, env=child_env,
-                                   stdout=log_file, stderr=subprocess.STDOUT)
+                                   stdout=log_file, stderr=subprocess.STDOUT,
+                                   preexec_fn=None if memory_limit is None else _address_space_limit(memory_limit))
     server = RouterProcess(f"http://127.0.0.1:{port}", process, log_path)
     try:
         _wait_for(server, "/health/ready" if wait_ready else "/health/live", timeout)
@@ -81,6 +86,13 @@ def serve(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(5)
+
+
+def _address_space_limit(limit: int) -> Callable[[], None]:
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    return apply
 
 
 def _wait_for(server: RouterProcess, path: str, timeout: float) -> None:
