@@ -35,10 +35,8 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from router.http.app import create_app
-    from router.http.server import DrainingServer
+    from router.http.server import run_server
     from router.logs import configure_logging
     from router.serving.runtime import Runtime
 
@@ -52,14 +50,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     runtime = Runtime(plan, cpu_workers=settings.cpu_workers)
     app = create_app(runtime, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
-                     access_policy=policy)
+                     access_policy=policy, body_timeout_s=settings.body_timeout_s, max_items=settings.max_items,
+                     trim_memory=settings.trim_memory)
     if policy.enabled:
         log.info("API keys required: %d inference key(s), %d admin key(s)", len(policy.predict_keys), len(policy.admin_keys))
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
-                            timeout_graceful_shutdown=5, access_log=False)
-    server = DrainingServer(config, runtime, settings.drain_timeout_s)
-    log.info("serving %s on http://%s:%d", settings.config, settings.host, settings.port)
-    server.run()
+    run_server(app, runtime, settings)
     return 0
 
 

@@ -297,3 +297,13 @@ class ServerSettings(BaseSettings):
     admin_keys_file: Path | None = None
     protect_health: bool = Field(False, description="require a key for /health/* too")
     protect_metrics: bool = Field(False, description="require a key for /metrics too")
+    # What one client can make the server hold or wait for (see router.http.protocol).
+    max_header_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024,
+                                  description="request line and headers together; more is refused with 431")
+    max_headers: int = Field(100, ge=8, le=10_000, description="header fields in one request; more is refused with 431")
+    header_timeout_s: float = Field(10.0, gt=0, le=3600, description="time to send a request's headers")
+    body_timeout_s: float = Field(60.0, gt=0, le=3600, description="time to send a request's body after its headers")
+    keep_alive_s: int = Field(5, ge=1, le=3600, description="an idle keep-alive connection is closed after this")
+    max_connections: int = Field(1024, ge=1, description="open connections and running requests; more get 503")
+    max_items: int = Field(1024, ge=1, description="items in one V2 request (also at most the model's queue size)")
+    trim_memory: bool = Field(True, description="hand freed heap memory back to the system after large bodies")
