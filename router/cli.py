@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from router.config import ServerSettings, load_fleet
+from router.config import ServerSettings, load_fleet, load_settings
 from router.errors import ConfigError
 from router.http.auth import AccessPolicy, read_keys
 from router.serving.plan import FleetPlan, resolve_fleet
@@ -29,9 +29,18 @@ def build_plan(config_path: Path, registry: PluginRegistry | None = None) -> Fle
     return resolve_fleet(fleet, registry, str(config_path))
 
 
-def _settings(args: argparse.Namespace) -> ServerSettings:
+def prepare(args: argparse.Namespace) -> tuple[ServerSettings, FleetPlan, AccessPolicy]:
+    """Every validation that comes before the port opens, shared by `serve` and `check`: the
+    settings, the fleet and its plugins' options and paths, the keys. Raises ConfigError."""
     overrides = {k: v for k in ("config", "host", "port") if (v := getattr(args, k, None)) is not None}
-    return ServerSettings(**overrides)
+    settings = load_settings(**overrides)
+    plan = build_plan(settings.config)
+    return settings, plan, access_policy(settings)
+
+
+def _refuse(exc: ConfigError) -> int:
+    print(f"model-router: {exc}", file=sys.stderr)
+    return 2
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -40,41 +49,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from router.logs import configure_logging
     from router.serving.runtime import Runtime
 
-    settings = _settings(args)
-    configure_logging(settings.log_level)
     try:
-        plan = build_plan(settings.config)
-        policy = access_policy(settings)
+        settings, plan, policy = prepare(args)
     except ConfigError as exc:
-        print(f"model-router: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(exc)
+    configure_logging(settings.log_level)
     runtime = Runtime(plan, cpu_workers=settings.cpu_workers)
     app = create_app(runtime, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
                      access_policy=policy, body_timeout_s=settings.body_timeout_s, max_items=settings.max_items,
                      trim_memory=settings.trim_memory)
-    if policy.enabled:
-        log.info("API keys required: %d inference key(s), %d admin key(s)", len(policy.predict_keys), len(policy.admin_keys))
+    log.info(policy.describe())
     run_server(app, runtime, settings)
     return 0
 
 
 def access_policy(settings: ServerSettings) -> AccessPolicy:
-    return AccessPolicy(
+    policy = AccessPolicy(
         predict_keys=read_keys(settings.api_keys, settings.api_keys_file, "MODEL_ROUTER_API_KEYS"),
         admin_keys=read_keys(settings.admin_keys, settings.admin_keys_file, "MODEL_ROUTER_ADMIN_KEYS"),
         protect_health=settings.protect_health,
         protect_metrics=settings.protect_metrics,
     )
+    policy.check_consistent()
+    return policy
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     try:
-        plan = build_plan(args.config)
+        _, plan, _ = prepare(args)
     except ConfigError as exc:
-        print(f"model-router: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(exc)
     print(json.dumps(plan.describe(), indent=2))
-    print(f"model-router: {args.config} is valid: {len(plan.models)} model(s) on "
+    print(f"model-router: {plan.source} is valid: {len(plan.models)} model(s) on "
           f"{len(plan.fleet.devices)} device(s)", file=sys.stderr)
     return 0
 
@@ -113,8 +119,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         plan = build_plan(args.config)
     except ConfigError as exc:
-        print(f"model-router: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(exc)
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -137,8 +142,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (env MODEL_ROUTER_HOST)")
     serve.add_argument("--port", type=int, help="port (env MODEL_ROUTER_PORT)")
     serve.set_defaults(func=cmd_serve)
-    check = sub.add_parser("check", help="validate a fleet file and print the resolved plan")
-    check.add_argument("--config", type=Path, default=Path(os.environ.get("MODEL_ROUTER_CONFIG", "config/fleet.yaml")))
+    check = sub.add_parser("check", help="run every validation `serve` runs (fleet, plugin options and paths, "
+                                         "MODEL_ROUTER_* settings, keys) and print the resolved plan")
+    check.add_argument("--config", type=Path, help="fleet YAML (env MODEL_ROUTER_CONFIG)")
     check.set_defaults(func=cmd_check)
     plugins = sub.add_parser("plugins", help="list installed plugins")
     plugins.set_defaults(func=cmd_plugins)

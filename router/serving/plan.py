@@ -7,8 +7,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from router.config import FleetConfig, format_validation_error
-from router.errors import ConfigError, UnknownPlugin
+from router.config import FleetConfig, config_error, validation_problems
+from router.errors import UnknownPlugin, brief, clip
+from router.sdk.plugin import PluginContext
 from router.serving.registry import PluginInfo, PluginRegistry
 
 __all__ = ["FleetPlan", "ModelPlan", "resolve_fleet"]
@@ -57,22 +58,28 @@ class FleetPlan:
 
 
 def resolve_fleet(fleet: FleetConfig, registry: PluginRegistry, source: str = "fleet") -> FleetPlan:
-    """Match each model to its plugin and validate its options. All problems are reported together."""
+    """Match each model to its plugin, validate its options and construct the plugin once (which
+    resolves its file paths: one escaping the model store is refused here). Nothing is loaded.
+    All problems are reported together."""
     problems: list[str] = []
     models: dict[str, ModelPlan] = {}
     for name, config in fleet.models.items():
         try:
             info = registry.get(config.plugin)
         except UnknownPlugin as exc:
-            problems.append(f"  {source}: models.{name}.plugin: {exc.message} (got {config.plugin!r})")
+            problems.append(f"{source}: models.{name}.plugin: {clip(exc.message)} (got {brief(config.plugin)})")
             continue
         try:
             options = info.cls.Options.model_validate(config.options)
         except ValidationError as exc:
-            detail = format_validation_error(exc, source, info.cls.Options).splitlines()[1:]
-            problems.extend(line.replace(f"{source}: ", f"{source}: models.{name}.options.", 1) for line in detail)
+            problems += validation_problems(exc, source, info.cls.Options, prefix=f"models.{name}.options.")
+            continue
+        try:
+            info.cls(options, PluginContext(name, fleet.model_store, fleet.allow_absolute_paths))
+        except Exception as exc:  # a path outside the store (ValueError), or the plugin's own refusal
+            problems.append(f"{source}: models.{name}.options: {clip(str(exc) or type(exc).__name__)}")
             continue
         models[name] = ModelPlan(name, info, options)
     if problems:
-        raise ConfigError("\n".join([f"{source}: invalid configuration ({len(problems)} problem(s))", *problems]))
+        raise config_error(source, problems)
     return FleetPlan(source, fleet, models)
