@@ -4,7 +4,6 @@ long names. None is a server error, each is logged once as what it was, with its
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 
@@ -34,21 +33,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
         yield process
 
 
-def access_lines(server: RouterProcess, request_id: str) -> list[dict[str, object]]:
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:  # the log is written by a background thread
-        lines = [r for r in server.log_records() if r.get("request_id") == request_id and r["message"] == "request"]
-        if lines:
-            return lines
-        time.sleep(0.05)
-    return []
-
-
-def connect(server: RouterProcess) -> socket.socket:
-    host, port = server.url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=10)
-
-
 def test_a_multipart_file_part_without_content_type_is_sniffed_not_refused(server: RouterProcess) -> None:
     """Python requests' `files={"file": open(...)}` sends the part with a filename and no Content-Type."""
     body = (b"--b0undary\r\nContent-Disposition: form-data; name=\"file\"; filename=\"input.bin\"\r\n\r\n"
@@ -69,22 +53,22 @@ def test_a_thousand_multipart_parts_get_a_sensible_400(server: RouterProcess) ->
 
 
 def test_a_client_leaving_during_inference_is_499_not_an_error(server: RouterProcess) -> None:
-    with connect(server) as sock:
+    with server.connect() as sock:
         sock.sendall(b"POST /models/slow/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"X-Request-ID: leaves-early\r\nContent-Length: 11\r\n\r\n{\"id\": \"a\"}")
         time.sleep(0.3)  # queued or running, not answered
-    lines = access_lines(server, "leaves-early")
+    lines = server.access_lines("leaves-early")
     assert [line["status"] for line in lines] == [499]
     assert not [r for r in server.log_records() if r.get("level") == "error"]
     assert "CancelledError" not in server.log() and "Traceback" not in server.log()
 
 
 def test_a_client_leaving_mid_upload_is_499_not_500(server: RouterProcess) -> None:
-    with connect(server) as sock:
+    with server.connect() as sock:
         sock.sendall(b"POST /models/echo/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"X-Request-ID: upload-abandoned\r\nContent-Length: 100000\r\n\r\n" + b" " * 1000)
         time.sleep(0.2)
-    lines = access_lines(server, "upload-abandoned")
+    lines = server.access_lines("upload-abandoned")
     assert [line["status"] for line in lines] == [499]
     assert not [r for r in server.log_records() if r.get("level") == "error"]
 
@@ -104,7 +88,7 @@ def test_unrouted_requests_carry_a_request_id_and_an_access_line(
     assert response.status_code == status
     assert response.headers["x-request-id"] == request_id
     assert shape in response.json()
-    assert [line["status"] for line in access_lines(server, request_id)] == [status]
+    assert [line["status"] for line in server.access_lines(request_id)] == [status]
 
 
 @pytest.mark.parametrize("value", ["1e300", "1_0", "0x1", "9" * 400, "1.0"])

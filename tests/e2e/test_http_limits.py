@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterator
 
 import httpx
-import psutil
 import pytest
 
 from tests.conftest import RouterProcess, serve
@@ -34,11 +33,6 @@ ENV = {"MODEL_ROUTER_HEADER_TIMEOUT_S": "1", "MODEL_ROUTER_BODY_TIMEOUT_S": "1"}
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     with serve(tmp_path_factory.mktemp("limits"), FLEET, env=ENV, memory_limit=8 * 1024 * MB) as process:
         yield process
-
-
-def connect(server: RouterProcess, timeout: float = 10.0) -> socket.socket:
-    host, port = server.url.removeprefix("http://").split(":")
-    return socket.create_connection((host, int(port)), timeout=timeout)
 
 
 def read_reply(sock: socket.socket) -> bytes:
@@ -72,7 +66,7 @@ def trickle(sock: socket.socket, pieces: Iterator[bytes], every_s: float = 0.3) 
 
 def flood(server: RouterProcess, head: bytes, chunks: Iterator[bytes]) -> bytes:
     """Send `head`, then as much of `chunks` as the server takes; the reply."""
-    with connect(server) as sock:
+    with server.connect() as sock:
         try:
             sock.sendall(head)
             for chunk in chunks:
@@ -87,10 +81,6 @@ def status_and_body(reply: bytes) -> tuple[int, dict[str, str]]:
     return int(head.split(b" ", 2)[1]), json.loads(body)
 
 
-def rss(server: RouterProcess) -> int:
-    return int(psutil.Process(server.process.pid).memory_info().rss)
-
-
 def a_million_headers() -> Iterator[bytes]:
     block = b"".join(b"X-Header-%d: v\r\n" % i for i in range(10_000))
     for _ in range(100):
@@ -99,7 +89,7 @@ def a_million_headers() -> Iterator[bytes]:
 
 
 def test_a_million_headers_are_refused_without_memory_growth(server: RouterProcess) -> None:
-    before = rss(server)
+    before = server.rss()
     live_delays: list[float] = []
     stop = threading.Event()
 
@@ -126,19 +116,19 @@ def test_a_million_headers_are_refused_without_memory_growth(server: RouterProce
     for reply in replies:
         status, body = status_and_body(reply)
         assert status == 431 and body == {"detail": "the request has more than 100 header fields"}
-    assert rss(server) - before < RSS_GROWTH_BOUND
+    assert server.rss() - before < RSS_GROWTH_BOUND
     assert max(live_delays) < 0.5, f"liveness stalled for {max(live_delays):.2f} s"
 
 
 @pytest.mark.parametrize("path", ["/models/echo/predict", "/v2/models/echo/infer"])
 def test_a_50_mb_header_is_refused_early(server: RouterProcess, path: str) -> None:
-    before = rss(server)
+    before = server.rss()
     head = f"POST {path} HTTP/1.1\r\nHost: x\r\nX-Big: ".encode()
     reply = flood(server, head, iter([b"b" * MB] * 50 + [b"\r\n\r\n"]))
     status, body = status_and_body(reply)
     assert status == 431
     assert body == {"error" if path.startswith("/v2") else "detail": "the request line and headers exceed 65536 bytes"}
-    assert rss(server) - before < RSS_GROWTH_BOUND
+    assert server.rss() - before < RSS_GROWTH_BOUND
 
 
 def test_slow_headers_are_dropped_after_the_header_timeout(server: RouterProcess) -> None:
@@ -146,7 +136,7 @@ def test_slow_headers_are_dropped_after_the_header_timeout(server: RouterProcess
     results: list[tuple[float, bytes]] = []
 
     def slow_client() -> None:
-        with connect(server) as sock:
+        with server.connect() as sock:
             started = time.monotonic()
             sock.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n")
             reply = trickle(sock, (b"X-Slow-%d: v\r\n" % i for i in range(30)))
@@ -166,14 +156,14 @@ def test_slow_headers_are_dropped_after_the_header_timeout(server: RouterProcess
 
 
 def test_an_idle_connection_is_closed_after_the_header_timeout(server: RouterProcess) -> None:
-    with connect(server) as sock:
+    with server.connect() as sock:
         started = time.monotonic()
         assert read_reply(sock) == b""  # closed without a word: it never began a request
         assert 0.9 < time.monotonic() - started < 3.0
 
 
 def test_a_trickling_body_is_answered_408_and_closed(server: RouterProcess) -> None:
-    with connect(server) as sock:
+    with server.connect() as sock:
         started = time.monotonic()
         sock.sendall(b"POST /models/echo/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"X-Request-ID: slow-body-1\r\nContent-Length: 1000\r\n\r\n")
@@ -184,13 +174,12 @@ def test_a_trickling_body_is_answered_408_and_closed(server: RouterProcess) -> N
                                       "request_id": "slow-body-1"}
     assert b"connection: close" in reply.lower()
     assert 0.9 < elapsed < 2.5
-    access = [r for r in server.log_records() if r.get("request_id") == "slow-body-1" and r["message"] == "request"]
-    assert [r["status"] for r in access] == [408]
+    assert [r["status"] for r in server.access_lines("slow-body-1")] == [408]
 
 
 def test_a_body_left_unread_after_an_early_answer_is_cut_off(server: RouterProcess) -> None:
     """A 404 answered before the body: a client that keeps trickling the body is disconnected."""
-    with connect(server) as sock:
+    with server.connect() as sock:
         started = time.monotonic()
         sock.sendall(b"POST /models/nope/predict HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
         assert trickle(sock, iter([b" "] * 30)).startswith(b"HTTP/1.1 404")  # answered before the body
@@ -206,7 +195,7 @@ def test_a_body_left_unread_after_an_early_answer_is_cut_off(server: RouterProce
 
 @pytest.mark.parametrize("request_bytes", [b"NOT HTTP AT ALL\r\n\r\n", b"GET / HTTP/1.1\r\nBad Header\r\n\r\n"])
 def test_unparseable_requests_get_a_json_400(server: RouterProcess, request_bytes: bytes) -> None:
-    with connect(server) as sock:
+    with server.connect() as sock:
         sock.sendall(request_bytes)
         reply = read_reply(sock)
     status, body = status_and_body(reply)

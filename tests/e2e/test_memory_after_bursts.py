@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 
 from tests.conftest import RouterProcess, serve
@@ -30,19 +29,15 @@ BODY = b"\x00" * (15 * MB)
 SETTLED_GROWTH_BOUND = 300 * MB
 
 
-def rss(server: RouterProcess) -> int:
-    return int(psutil.Process(server.process.pid).memory_info().rss)
-
-
 def burst(server: RouterProcess, count: int = 64) -> tuple[list[int], int]:
     """`count` concurrent 15 MB bodies; their statuses and the peak resident size seen meanwhile."""
-    peak = rss(server)
+    peak = server.rss()
     done = threading.Event()
 
     def sample() -> None:
         nonlocal peak
         while not done.is_set():
-            peak = max(peak, rss(server))
+            peak = max(peak, server.rss())
             time.sleep(0.02)
 
     sampler = threading.Thread(target=sample)
@@ -59,14 +54,14 @@ def burst(server: RouterProcess, count: int = 64) -> tuple[list[int], int]:
 def settled_rss(server: RouterProcess, seconds: float = 4.0) -> int:
     """The resident size once the router has had time to trim (it checks every second)."""
     time.sleep(seconds)
-    return rss(server)
+    return server.rss()
 
 
 def measure(tmp_path: Path, trim: bool) -> dict[str, float]:
     env = {"MODEL_ROUTER_TRIM_MEMORY": "true" if trim else "false"}
     with serve(tmp_path, FLEET, env=env, memory_limit=12 * 1024 * MB) as server:
         httpx.post(server.url + "/models/echo/predict", content=b"warm", timeout=10)
-        before = rss(server)
+        before = server.rss()
         statuses, peak = burst(server)
         after = settled_rss(server)
         statuses_again, peak_again = burst(server)
