@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from router.config import ServerSettings
+from router.config import ServerSettings, load_settings
 from router.errors import ConfigError
 from router.http.auth import AccessPolicy, policy_from_settings
 from router.serving.plan import FleetPlan, load_plan
@@ -26,40 +26,40 @@ def build_plan(config_path: Path, registry: PluginRegistry | None = None) -> Fle
     return load_plan(config_path, registry)
 
 
-def _settings(args: argparse.Namespace) -> ServerSettings:
+def prepare(args: argparse.Namespace) -> tuple[ServerSettings, FleetPlan, AccessPolicy]:
+    """Every validation that comes before the port opens, shared by `serve` and `check`: the
+    settings, the fleet and its plugins' options and paths, the keys. Raises ConfigError."""
     overrides = {k: v for k in ("config", "host", "port") if (v := getattr(args, k, None)) is not None}
-    return ServerSettings(**overrides)
+    settings = load_settings(**overrides)
+    plan = build_plan(settings.config)
+    return settings, plan, access_policy(settings)
+
+
+def _refuse(exc: ConfigError) -> int:
+    print(f"model-router: {exc}", file=sys.stderr)
+    return 2
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from router.http.app import create_app
-    from router.http.server import DrainingServer
+    from router.http.server import run_server
     from router.logs import configure_logging
     from router.serving.runtime import Runtime
     from router.serving.threads import apply_threads, available_cores, plan_threads
 
-    settings = _settings(args)
-    configure_logging(settings.log_level, settings.log_format)
     try:
-        plan = build_plan(settings.config)
-        policy = access_policy(settings)
+        settings, plan, policy = prepare(args)
     except ConfigError as exc:
-        print(f"model-router: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(exc)
+    configure_logging(settings.log_level, settings.log_format)
     threads = plan_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
     apply_threads(threads)
     runtime = Runtime(plan, cpu_workers=threads.cpu_workers)
     app = create_app(runtime, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
-                     access_policy=policy)
-    if policy.enabled:
-        log.info("API keys required: %d inference key(s), %d admin key(s)", len(policy.predict_keys), len(policy.admin_keys))
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
-                            timeout_graceful_shutdown=5, access_log=False)
-    server = DrainingServer(config, runtime, settings.drain_timeout_s)
-    log.info("serving %s on http://%s:%d", settings.config, settings.host, settings.port)
-    server.run()
+                     access_policy=policy, body_timeout_s=settings.body_timeout_s, max_items=settings.max_items,
+                     trim_memory=settings.trim_memory)
+    log.info(policy.describe())
+    run_server(app, runtime, settings)
     return 0
 
 
@@ -69,12 +69,11 @@ def access_policy(settings: ServerSettings) -> AccessPolicy:
 
 def cmd_check(args: argparse.Namespace) -> int:
     try:
-        plan = build_plan(args.config)
+        _, plan, _ = prepare(args)
     except ConfigError as exc:
-        print(f"model-router: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(exc)
     print(json.dumps(plan.describe(), indent=2))
-    print(f"model-router: {args.config} is valid: {len(plan.models)} model(s) on "
+    print(f"model-router: {plan.source} is valid: {len(plan.models)} model(s) on "
           f"{len(plan.fleet.devices)} device(s)", file=sys.stderr)
     return 0
 
@@ -134,8 +133,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         source = None if args.from_file is not None else source_model(build_plan(args.config), args.model)
     except ConfigError as exc:
-        print(f"model-router: {exc}", file=sys.stderr)
-        return 2
+        return _refuse(exc)
     except ExportError as exc:
         print(f"model-router: {exc}", file=sys.stderr)
         return 1
@@ -203,8 +201,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (env MODEL_ROUTER_HOST)")
     serve.add_argument("--port", type=int, help="port (env MODEL_ROUTER_PORT)")
     serve.set_defaults(func=cmd_serve)
-    check = sub.add_parser("check", help="validate a fleet file and print the resolved plan")
-    check.add_argument("--config", type=Path, default=Path(os.environ.get("MODEL_ROUTER_CONFIG", "config/fleet.yaml")))
+    check = sub.add_parser("check", help="run every validation `serve` runs (fleet, plugin options and paths, "
+                                         "MODEL_ROUTER_* settings, keys) and print the resolved plan")
+    check.add_argument("--config", type=Path, help="fleet YAML (env MODEL_ROUTER_CONFIG)")
     check.set_defaults(func=cmd_check)
     reload = sub.add_parser("reload", help="make a running server re-read its fleet file and apply the difference")
     target = reload.add_mutually_exclusive_group()

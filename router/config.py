@@ -6,6 +6,8 @@ the bad value and what is accepted.
 
 from __future__ import annotations
 
+import difflib
+import os
 import re
 from pathlib import Path
 from types import UnionType
@@ -24,7 +26,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from router.devices import check_device_name
-from router.errors import ConfigError
+from router.errors import ConfigError, brief, clip
 
 __all__ = [
     "AutoscalingConfig",
@@ -41,12 +43,17 @@ __all__ = [
     "QueueConfig",
     "ServerSettings",
     "WarmupConfig",
+    "config_error",
     "format_validation_error",
     "load_fleet",
+    "load_settings",
+    "validation_problems",
 ]
 
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 SECRET_KEYS = {"api_keys", "admin_keys"}
+#: A key whose value an error message never shows: it may hold a secret.
+SECRET_LOOKING = re.compile(r"key|secret|token|passw|credential|auth", re.IGNORECASE)
 
 
 class _Strict(BaseModel):
@@ -352,21 +359,47 @@ class FleetConfig(_Strict):
         return self
 
 
-def format_validation_error(error: ValidationError, source: str, schema: type[BaseModel] | None = None) -> str:
+def validation_problems(
+    error: ValidationError, source: str, schema: type[BaseModel] | None = None, *, prefix: str = "",
+    key_names: dict[str, str] | None = None,
+) -> list[str]:
     """One line per problem: `file: key.path: message (got value)`. With the schema, an unknown
-    key's message lists the accepted keys."""
-    lines = [f"{source}: invalid configuration ({error.error_count()} problem(s))"]
+    key's message lists the accepted keys. Values are shown briefly, and never under a key that
+    looks like it holds a secret. `key_names` renames top-level keys (settings: their variables)."""
+    lines = []
     for item in error.errors():
-        location = ".".join(str(part) for part in item["loc"]) or "(top level)"
-        message = item["msg"].removeprefix("Value error, ")
+        parts = [str(part) for part in item["loc"]]
+        if parts and key_names:
+            parts[0] = key_names.get(parts[0], parts[0])
+        location = prefix + (".".join(parts) or "(top level)")
+        message = clip(item["msg"].removeprefix("Value error, "))
         if item["type"] == "extra_forbidden" and schema is not None:
             accepted = _accepted_keys(schema, item["loc"][:-1])
             if accepted:
                 message = f"unknown key; accepted: {', '.join(accepted)}"
         got = item.get("input")
-        shown = "" if isinstance(got, dict) or item["type"] == "missing" else f" (got {got!r})"
-        lines.append(f"  {source}: {location}: {message}{shown}")
-    return "\n".join(lines)
+        if isinstance(got, dict) or item["type"] == "missing":
+            shown = ""
+        elif any(SECRET_LOOKING.search(part) for part in parts):
+            shown = " (value not shown: the key may hold a secret)"
+        else:
+            shown = f" (got {brief(got)})"
+        lines.append(f"{source}: {location}: {message}{shown}")
+    return lines
+
+
+def config_error(source: str, problems: list[str]) -> ConfigError:
+    """One problem reads as one line; several get a header line, then one indented line each."""
+    if len(problems) == 1:
+        return ConfigError(problems[0])
+    return ConfigError("\n".join([f"{source}: invalid configuration ({len(problems)} problem(s))",
+                                  *(f"  {line}" for line in problems)]))
+
+
+def format_validation_error(error: ValidationError, source: str, schema: type[BaseModel] | None = None) -> str:
+    """A header line, then one indented line per problem (see `validation_problems`)."""
+    lines = validation_problems(error, source, schema)
+    return "\n".join([f"{source}: invalid configuration ({len(lines)} problem(s))", *(f"  {line}" for line in lines)])
 
 
 def _accepted_keys(schema: type[BaseModel], path: tuple[int | str, ...]) -> list[str]:
@@ -398,20 +431,24 @@ def load_fleet(path: str | Path) -> FleetConfig:
         raise ConfigError(f"{source}: cannot read fleet file: {exc.strerror or exc}") from exc
     try:
         data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from exc
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{source}: not valid YAML: {clip(str(exc.problem or exc.context), 120)}{where}") from None
+    except (yaml.YAMLError, ValueError) as exc:  # ValueError: an integer too long to convert
+        raise ConfigError(f"{source}: not valid YAML: {clip(str(exc), 120)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping with 'models' at the top, got {type(data).__name__}")
-    if secrets := sorted(SECRET_KEYS & set(data)):
-        key = secrets[0]
+    if secrets := sorted(key for key in map(str, data) if SECRET_LOOKING.search(key)):
+        key = secrets[0] if secrets[0] in SECRET_KEYS else "api_keys"
         raise ConfigError(
-            f"{source}: {key}: API keys never go in the fleet file; set MODEL_ROUTER_{key.upper()} "
-            f"or MODEL_ROUTER_{key.upper()}_FILE (a secret file, one key a line)"
+            f"{source}: {clip(secrets[0], 40)}: API keys never go in the fleet file; set "
+            f"MODEL_ROUTER_{key.upper()} or MODEL_ROUTER_{key.upper()}_FILE (a secret file, one key a line)"
         )
     try:
         fleet = FleetConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, str(source), FleetConfig)) from exc
+        raise config_error(str(source), validation_problems(exc, str(source), FleetConfig)) from None
     if not fleet.model_store.is_absolute():
         store = (source.parent / fleet.model_store).resolve()
         fleet = fleet.model_copy(update={"model_store": store})
@@ -438,3 +475,39 @@ class ServerSettings(BaseSettings):
     admin_keys_file: Path | None = None
     protect_health: bool = Field(False, description="require a key for /health/* too")
     protect_metrics: bool = Field(False, description="require a key for /metrics too")
+    # What one client can make the server hold or wait for (see router.http.protocol).
+    max_header_bytes: int = Field(64 * 1024, ge=1024, le=16 * 1024 * 1024,
+                                  description="request line and headers together; more is refused with 431")
+    max_headers: int = Field(100, ge=8, le=10_000, description="header fields in one request; more is refused with 431")
+    header_timeout_s: float = Field(10.0, gt=0, le=3600, description="time to send a request's headers")
+    body_timeout_s: float = Field(60.0, gt=0, le=3600, description="time to send a request's body after its headers")
+    keep_alive_s: int = Field(5, ge=1, le=3600, description="an idle keep-alive connection is closed after this")
+    max_connections: int = Field(1024, ge=1, description="open connections and running requests; more get 503")
+    max_items: int = Field(1024, ge=1, description="items in one V2 request (also at most the model's queue size)")
+    trim_memory: bool = Field(True, description="hand freed heap memory back to the system after large bodies")
+
+
+def load_settings(**overrides: Any) -> ServerSettings:
+    """The settings from the environment (and command-line overrides); ConfigError, one line per
+    problem naming the variable, when a value is bad."""
+    names = {name: f"MODEL_ROUTER_{name.upper()}" for name in ServerSettings.model_fields if name not in overrides}
+    problems = _unknown_variables(set(names.values()) | {f"MODEL_ROUTER_{name.upper()}" for name in overrides})
+    try:
+        settings = ServerSettings(**overrides)
+    except ValidationError as exc:
+        problems += validation_problems(exc, "environment", key_names=names)
+    if problems:
+        raise config_error("environment", problems)
+    return settings
+
+
+def _unknown_variables(known: set[str]) -> list[str]:
+    """A misspelt variable is refused rather than ignored: MODEL_ROUTER_API_KEY (no S) must not
+    leave the server open."""
+    problems = []
+    for variable in sorted(os.environ):
+        if variable.startswith("MODEL_ROUTER_") and variable not in known:
+            close = difflib.get_close_matches(variable, sorted(known), n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; settings: {', '.join(sorted(known))}"
+            problems.append(f"environment: {clip(variable, 80)}: not a setting{hint}")
+    return problems

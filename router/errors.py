@@ -5,11 +5,13 @@ V2) answers differently, the one table `V2_STATUS` below says so."""
 from __future__ import annotations
 
 import asyncio
+import reprlib
 from collections.abc import Mapping
 from typing import ClassVar, Final
 
 __all__ = [
     "BatchSizeMismatch",
+    "ClientDisconnected",
     "ConfigError",
     "DeadlineExceeded",
     "DeviceOutOfMemory",
@@ -26,11 +28,14 @@ __all__ = [
     "PluginValidationError",
     "QueueFull",
     "ReplicaLost",
+    "RequestTimeout",
     "RouterError",
     "ShuttingDown",
     "Unauthorized",
     "UnknownPlugin",
     "UnsupportedMediaType",
+    "brief",
+    "clip",
     "outcome_of",
     "v2_status",
 ]
@@ -67,6 +72,22 @@ class PayloadTooLarge(InputError):
 
 class UnsupportedMediaType(InputError):
     status_code = 415
+
+
+class RequestTimeout(InputError):
+    """The client sent its request too slowly. The connection is closed after the answer."""
+
+    status_code = 408
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail, headers={"Connection": "close"})
+
+
+class ClientDisconnected(RouterError):
+    """The client went away before its answer: nginx's 499, for the access log and metrics only."""
+
+    status_code = 499
+    outcome = "cancelled"
 
 
 class Unauthorized(RouterError):
@@ -204,3 +225,22 @@ class UnknownPlugin(KeyError):
 
     def __str__(self) -> str:
         return self.message
+
+
+def brief(value: object, limit: int = 80) -> str:
+    """A repr of a client's or a config file's value for an error message: at most `limit`
+    characters, and cheap however long or deeply nested the value is (a 10 MB string, a YAML alias
+    bomb, a 5,000-digit integer)."""
+    shown = reprlib.Repr()
+    shown.maxlevel, shown.maxstring, shown.maxother, shown.maxlong = 3, max(limit, 8), max(limit, 8), 40
+    shown.maxlist = shown.maxtuple = shown.maxdict = shown.maxset = 6
+    try:
+        text = shown.repr(value)
+    except Exception:  # an integer too long for str(), a broken __repr__
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def clip(text: str, limit: int = 300) -> str:
+    """Text cut to at most `limit` characters, marked with '...' where it was cut."""
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,6 +46,27 @@ class RouterProcess:
                 records.append(json.loads(line))
         return records
 
+    def access_lines(self, request_id: str, timeout: float = 5.0) -> list[dict[str, object]]:
+        """The request's access lines, once the log's writer thread has written them."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lines = [r for r in self.log_records() if r.get("request_id") == request_id and r["message"] == "request"]
+            if lines:
+                return lines
+            time.sleep(0.05)
+        return []
+
+    def connect(self, timeout: float = 10.0) -> socket.socket:
+        """A raw TCP connection to the server, for requests no HTTP client would send."""
+        host, port = self.url.removeprefix("http://").split(":")
+        return socket.create_connection((host, int(port)), timeout=timeout)
+
+    def rss(self) -> int:
+        """The server process's resident memory, in bytes."""
+        import psutil
+
+        return int(psutil.Process(self.process.pid).memory_info().rss)
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.process.poll() is None:
             self.process.send_signal(sig)
@@ -58,9 +80,12 @@ class RouterProcess:
 
 @contextmanager
 def serve(
-    tmp_path: Path, fleet: str, *, env: dict[str, str] | None = None, wait_ready: bool = True, timeout: float = 90.0
+    tmp_path: Path, fleet: str, *, env: dict[str, str] | None = None, wait_ready: bool = True, timeout: float = 90.0,
+    memory_limit: int | None = None,
 ) -> Iterator[RouterProcess]:
-    """Write `fleet` to a file, start `python -m router serve` on a free port, wait until ready."""
+    """Write `fleet` to a file, start `python -m router serve` on a free port, wait until ready.
+    With `memory_limit` (bytes of address space, as `prlimit --as`), a regression that makes the
+    server balloon fails its test instead of exhausting the machine."""
     config = tmp_path / "fleet.yaml"
     config.write_text(fleet, encoding="utf-8")
     port = free_port()
@@ -68,8 +93,8 @@ def serve(
     child_env = {**os.environ, "MODEL_ROUTER_HOST": "127.0.0.1", "MODEL_ROUTER_PORT": str(port),
                  "MODEL_ROUTER_CONFIG": str(config), **(env or {})}
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen([sys.executable, "-m", "router", "serve"], cwd=REPO, env=child_env,
-                                   stdout=log_file, stderr=subprocess.STDOUT)
+        process = subprocess.Popen([*_limited(memory_limit), sys.executable, "-m", "router", "serve"], cwd=REPO,
+                                   env=child_env, stdout=log_file, stderr=subprocess.STDOUT)
     server = RouterProcess(f"http://127.0.0.1:{port}", process, log_path)
     try:
         _wait_for(server, "/health/ready" if wait_ready else "/health/live", timeout)
@@ -82,6 +107,16 @@ def serve(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(5)
+
+
+def _limited(memory_limit: int | None) -> list[str]:
+    """`prlimit --as=N` before the command (it execs it: the pid stays the server's), or nothing."""
+    if memory_limit is None:
+        return []
+    prlimit = shutil.which("prlimit")
+    if prlimit is None:
+        pytest.skip("prlimit (util-linux) is needed to run this server under a memory limit")
+    return [prlimit, f"--as={memory_limit}"]
 
 
 def _wait_for(server: RouterProcess, path: str, timeout: float) -> None:

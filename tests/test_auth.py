@@ -29,10 +29,46 @@ def test_keys_from_value_and_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("inline", "file", "words"), [
     ("short", None, "at least 16 characters"),
     (None, Path("/nonexistent/keys"), "KEYS_FILE: cannot read"),
+    (" , ", None, "KEYS is set but holds no key"),
+    ("", None, "KEYS is set but holds no key"),
+    ("ключ-из-шестнадцати-знаков", None, "key 1 has a character that is not printable ASCII"),
+    ("a-good-key-of-16-chars, tab\tinside-a-long-key", None, "key 2 has a character"),
 ])
 def test_bad_keys_are_configuration_errors(inline: str | None, file: Path | None, words: str) -> None:
-    with pytest.raises(ConfigError, match=words):
+    with pytest.raises(ConfigError, match=words) as error:
         read_keys(inline, file, "KEYS")
+    assert "ключ" not in str(error.value) and "a-good-key" not in str(error.value)  # keys are never shown
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", "# only a comment\n", "   \n"])
+def test_an_empty_key_file_refuses_to_start(tmp_path: Path, content: str) -> None:
+    secret = tmp_path / "keys"
+    secret.write_text(content, encoding="utf-8")
+    with pytest.raises(ConfigError, match="holds no key"):
+        read_keys(None, secret, "KEYS")
+
+
+def test_protection_without_any_key_refuses_to_start() -> None:
+    with pytest.raises(ConfigError, match="MODEL_ROUTER_PROTECT_HEALTH is set but no API or admin key"):
+        AccessPolicy(protect_health=True).check_consistent()
+    policy().check_consistent()
+
+
+def test_the_start_up_line_says_which_protection_is_on() -> None:
+    assert AccessPolicy().describe().startswith("access: open (no API keys set)")
+    admin_only = AccessPolicy(admin_keys=(ADMIN.encode(),)).describe()
+    assert "inference needs the admin key" in admin_only and "health open" in admin_only
+    both = policy(protect_health=True).describe()
+    assert "1 inference key(s)" in both and "1 admin key(s)" in both and "health protected" in both
+    assert PREDICT not in both and ADMIN not in both
+
+
+def test_admin_keys_alone_make_inference_need_a_key() -> None:
+    """Failing closed: with only admin keys set, inference is not open."""
+    admin_only = AccessPolicy(admin_keys=(ADMIN.encode(),))
+    with pytest.raises(Unauthorized):
+        admin_only.check(Access.PREDICT, None)
+    admin_only.check(Access.PREDICT, f"Bearer {ADMIN}")
 
 
 def test_without_keys_everything_is_open() -> None:
@@ -89,6 +125,7 @@ def test_a_server_with_keys(tmp_path: Path) -> None:
         listing = httpx.get(server.url + "/models")
         log = server.log()
     assert anonymous.status_code == wrong.status_code == 401
+    assert "access: keys required; inference and model listing need 1 inference key(s)" in log
     assert "Bearer" in anonymous.headers["www-authenticate"] and "API key" in anonymous.json()["detail"]
     assert right.status_code == admin.status_code == 200
     assert health.status_code == 200

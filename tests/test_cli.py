@@ -1,53 +1,139 @@
-"""`model-router plugins`: every entry point the router reads, and a non-zero exit when one is broken."""
+"""`check` runs every validation `serve` runs before the port opens, and both refuse with one line
+and exit 2: plugin paths that escape the model store, bad MODEL_ROUTER_* values, key settings that
+hold no key. No error echoes a long value, or any value under a key that may hold a secret."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from tests.conftest import REPO
+import pytest
+
+from router.cli import main
+from tests.conftest import REPO, free_port
+
+RESNET = "models:\n  clf:\n    plugin: resnet\n    options: {{weights: {weights}{extra}}}\n"
 
 
-def broken_distribution(root: Path) -> Path:
-    """A distribution on sys.path whose plugin and exporter entry points name modules that do not exist."""
-    info = root / "model_router_broken-0.1.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: model-router-broken\nVersion: 0.1.0\n", encoding="utf-8")
-    (info / "entry_points.txt").write_text(
-        "[model_router.plugins]\nbroken = no_such_package.plugin:Plugin\n\n"
-        "[model_router.exporters]\ngif = no_such_package.export:GifExporter\n",
-        encoding="utf-8",
-    )
-    return root
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("MODEL_ROUTER_"):
+            monkeypatch.delenv(name)
 
 
-def plugins_command(extra_path: Path | None = None) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    if extra_path is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra_path), env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "router", "plugins"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120, check=False)
+def store_fleet(tmp_path: Path, weights: str, extra: str = "") -> Path:
+    store = tmp_path / "store"
+    store.mkdir(exist_ok=True)
+    (store / "resnet18.pt").write_bytes(b"not loaded by check")
+    outside = tmp_path / "outside.pt"
+    outside.write_bytes(b"secret")
+    if not (store / "link.pt").exists():
+        (store / "link.pt").symlink_to(outside)
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(f"model_store: {store}\n" + RESNET.format(weights=weights, extra=extra), encoding="utf-8")
+    return fleet
 
 
-def test_plugins_lists_plugins_exporters_and_demo_files_and_exits_zero() -> None:
-    done = plugins_command()
-
-    assert done.returncode == 0, done.stdout + done.stderr
-    names = [line.split("\t")[0] for line in done.stdout.splitlines()]
-    assert {"yolo", "resnet", "onnx", "tensorrt", "toy", "scripted", "mean-colour"} <= set(names)
-    assert {"exporter onnx", "exporter tensorrt", "demo file yolov8n", "demo file resnet18"} <= set(names)
-    assert "BROKEN" not in done.stdout
+def check(config: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(["check", "--config", str(config)])
+    return code, capsys.readouterr().err.strip()
 
 
-def test_plugins_exits_non_zero_naming_each_broken_entry_point(tmp_path: Path) -> None:
-    done = plugins_command(broken_distribution(tmp_path))
+def serve_refusal(config: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run `serve`; it must exit on its own, before opening the port."""
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("MODEL_ROUTER_")}
+    child_env.update({"MODEL_ROUTER_CONFIG": str(config), "MODEL_ROUTER_PORT": str(free_port()), **(env or {})})
+    done = subprocess.run([sys.executable, "-m", "router", "serve"], cwd=REPO, env=child_env, capture_output=True,
+                          text=True, timeout=120)
+    return done.returncode, done.stderr.strip()
 
-    assert done.returncode == 1
-    broken = [line.split("\t") for line in done.stdout.splitlines() if "\tBROKEN\t" in line]
-    assert [(name, reason.split(":")[0]) for name, _, reason in broken] == [
-        ("broken", "ModuleNotFoundError"), ("exporter gif", "ModuleNotFoundError")]
-    assert "no_such_package" in broken[0][2]
-    assert "model-router: 2 broken entry point(s): broken, exporter gif" in done.stderr
-    assert "yolo\t" in done.stdout  # the healthy ones are still listed
+
+@pytest.mark.parametrize(("weights", "extra", "words"), [
+    ("../../etc/passwd", "", "resolves outside the model store"),
+    ("/etc/passwd", "", "absolute path '/etc/passwd' is not allowed"),
+    ("link.pt", "", "resolves outside the model store"),
+    ("resnet18.pt", ", labels_file: link.pt", "path 'link.pt' resolves outside the model store"),
+])
+def test_check_refuses_paths_that_escape_the_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], weights: str, extra: str, words: str
+) -> None:
+    code, err = check(store_fleet(tmp_path, weights, extra), capsys)
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"model-router: {tmp_path / 'fleet.yaml'}: models.clf.options: ") and words in err
+
+
+def test_serve_refuses_an_escaping_path_the_same_way(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = store_fleet(tmp_path, "../../etc/passwd")
+    code, err = serve_refusal(fleet)
+    assert (code, err) == check(fleet, capsys)
+
+
+def test_a_valid_store_path_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = check(store_fleet(tmp_path, "resnet18.pt"), capsys)
+    assert code == 0 and "is valid" in err
+
+
+@pytest.mark.parametrize(("env", "words"), [
+    ({"MODEL_ROUTER_PORT": "abc"}, "environment: MODEL_ROUTER_PORT: Input should be a valid integer"),
+    ({"MODEL_ROUTER_API_KEY": "k" * 20}, "environment: MODEL_ROUTER_API_KEY: not a setting; did you mean MODEL_ROUTER_API_KEYS?"),
+    ({"MODEL_ROUTER_API_KEYS": " , "}, "MODEL_ROUTER_API_KEYS is set but holds no key"),
+    ({"MODEL_ROUTER_API_KEYS": "clé-de-seize-caractères"}, "MODEL_ROUTER_API_KEYS: key 1 has a character that is not printable ASCII"),
+    ({"MODEL_ROUTER_PROTECT_HEALTH": "true"}, "MODEL_ROUTER_PROTECT_HEALTH is set but no API or admin key is configured"),
+])
+def test_bad_settings_are_one_line_and_exit_2_in_check_and_serve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], env: dict[str, str], words: str
+) -> None:
+    fleet = store_fleet(tmp_path, "resnet18.pt")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, err = check(fleet, capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and words in err, err
+    assert "k" * 20 not in err and "clé" not in err  # keys are never shown
+
+
+def test_serve_refuses_bad_settings_before_the_port_opens(tmp_path: Path) -> None:
+    fleet = store_fleet(tmp_path, "resnet18.pt")
+    empty = tmp_path / "admin-keys"
+    empty.write_text("# rotated, and left empty by mistake\n", encoding="utf-8")
+    for env, words in [({"MODEL_ROUTER_PORT": "abc"}, "MODEL_ROUTER_PORT: Input should be a valid integer"),
+                       ({"MODEL_ROUTER_API_KEYS": " , ", "MODEL_ROUTER_ADMIN_KEYS_FILE": str(empty)},
+                        "MODEL_ROUTER_API_KEYS is set but holds no key"),
+                       ({"MODEL_ROUTER_ADMIN_KEYS_FILE": str(empty)}, "holds no key (empty, or only comments)")]:
+        started = time.monotonic()
+        code, err = serve_refusal(fleet, env)
+        assert code == 2 and len(err.splitlines()) == 1 and words in err, err
+        assert time.monotonic() - started < 60
+
+
+def test_secret_looking_values_are_never_echoed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    secret = "s3cr3t-value-that-must-not-leak"
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(f"api_key: {secret}\nmodels:\n  m: {{plugin: scripted}}\n", encoding="utf-8")
+    code, err = check(fleet, capsys)
+    assert code == 2 and secret not in err and "API keys never go in the fleet file" in err
+    fleet.write_text(f"models:\n  m:\n    plugin: scripted\n    options: {{auth_token: {secret}}}\n", encoding="utf-8")
+    code, err = check(fleet, capsys)
+    assert code == 2 and secret not in err and "models.m.options.auth_token" in err and "not shown" in err
+
+
+def test_long_values_and_alias_bombs_give_short_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("models:\n  m:\n    plugin: scripted\n    options: {hang_on: [" + "x" * 100_000 + "]}\n",
+                     encoding="utf-8")
+    code, err = check(fleet, capsys)
+    assert code == 2 and len(err) < 500
+    bomb = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for level in "bcdefghi":
+        previous = chr(ord(level) - 1)
+        bomb.append(f"{level}: &{level} [{', '.join(['*' + previous] * 9)}]")
+    options = "\n".join("      " + line for line in [*bomb, "hang_on: *i"])
+    fleet.write_text(f"models:\n  m:\n    plugin: scripted\n    options:\n{options}\n", encoding="utf-8")
+    started = time.monotonic()
+    code, err = check(fleet, capsys)
+    assert code == 2 and "models.m.options.hang_on: Input should be a valid string" in err
+    assert len(err) < 5000 and time.monotonic() - started < 5, err[:500]

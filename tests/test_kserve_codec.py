@@ -20,6 +20,7 @@ from router.errors import (
     ExecutionTimeout,
     InputError,
     ModelNotFound,
+    PayloadTooLarge,
     QueueFull,
     UnsupportedMediaType,
 )
@@ -37,7 +38,7 @@ from router.http.kserve.codec import (
     signature,
     to_payloads,
 )
-from router.http.kserve.tensors import serialize_bytes
+from router.http.kserve.tensors import Tensor, serialize_bytes
 from router.sdk.images import decode_image
 
 IMAGE = signature(("image/jpeg", "image/png", "application/octet-stream"))
@@ -105,7 +106,7 @@ def test_json_tensors_flat_or_nested_with_their_datatypes() -> None:
     ({"name": "x", "datatype": "UINT8", "shape": [2], "data": [1, 300]}, "input 'x': 300 is out of range for UINT8 (0..255)"),
     ({"name": "x", "datatype": "INT8", "shape": [1], "data": [-129]}, "input 'x': -129 is out of range for INT8 (-128..127)"),
     ({"name": "x", "datatype": "BOOL", "shape": [2], "data": [1, 0]}, "input 'x': BOOL data must be true or false"),
-    ({"name": "x", "datatype": "BYTES", "shape": [1], "data": [3]}, "input 'x': BYTES elements must be strings, got '3'"),
+    ({"name": "x", "datatype": "BYTES", "shape": [1], "data": [3]}, "input 'x': BYTES elements must be strings, got 3"),
     ({"name": "x", "datatype": "BYTES", "shape": [2], "data": ["a"]}, "input 'x': shape [2] needs 2 elements, 'data' has 1"),
     ({"name": "x", "datatype": "FP32", "shape": [1]}, "input 'x' has no 'data' and no binary_data_size parameter"),
     ({"datatype": "FP32", "shape": [1], "data": [1]}, "inputs[0] must be an object with a string 'name'"),
@@ -313,6 +314,37 @@ def test_bad_image_inputs_are_clear_400s(tensors: list[dict[str, Any]], message:
     with pytest.raises(InputError) as caught:
         to_payloads(request_of(*tensors), "det", IMAGE)
     assert caught.value.detail.startswith(message)
+
+
+def test_pixel_tensors_over_the_image_bound_are_refused_before_re_encoding() -> None:
+    """[1, 10000, 5000, 3] is 50 megapixels: 413 from the shape, no BMP of 150 MB is written."""
+    shape = (1, 10_000, 5_000, 3)
+    pixels = np.broadcast_to(np.zeros(1, dtype=np.uint8), shape)  # no memory behind it
+    request = InferRequest(None, (Tensor("IMAGE", "UINT8", shape, pixels),), None, False, None, None)
+    with pytest.raises(PayloadTooLarge, match="images of 5000x10000 pixels are over the limit of 40000000 pixels"):
+        to_payloads(request, "det", IMAGE)
+
+
+@pytest.mark.parametrize(("shape", "message"), [
+    ([1] * 65, "input 'x': shape has 65 dimensions; at most 64 are accepted"),
+    ([2**62, 2**62], "input 'x': shape [4611686018427387904, 4611686018427387904] has more than 2**63 - 1 elements"),
+    ([2**64], "input 'x': shape must be a non-empty list of non-negative integers, got [18446744073709551616]"),
+])
+def test_shapes_are_bounded(shape: list[int], message: str) -> None:
+    assert bad(json_request([{"name": "x", "datatype": "BYTES", "shape": shape, "data": [""]}])) == message
+
+
+def test_item_counts_are_refused_from_the_shape_before_the_data() -> None:
+    body = json_request([{"name": "x", "datatype": "BYTES", "shape": [100_000], "data": "never looked at"}])
+    with pytest.raises(PayloadTooLarge, match="input 'x' has 100000 items .* may carry at most 64"):
+        decode_request(body, max_items=64)
+
+
+def test_client_values_are_echoed_briefly() -> None:
+    name = "n" * 10_000
+    assert len(bad(json_request([{"name": name, "datatype": "NOPE", "shape": [1], "data": [""]}]))) < 250
+    assert len(bad(json_request([{"name": "x", "datatype": name, "shape": [1], "data": [""]}]))) < 300
+    assert len(bad(json_request([{"name": "x", "datatype": "BYTES", "shape": [1], "data": [{"a": "b" * 10_000}]}]))) < 200
 
 
 def test_named_tensors_of_a_json_model_become_one_object_per_item() -> None:

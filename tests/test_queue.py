@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.config import BatchPolicy
-from router.errors import QueueFull
+from router.errors import PayloadTooLarge, QueueFull
 from router.scheduling.queue import DrainRate, ModelQueue, Ticket, TicketState
 
 
@@ -129,6 +129,18 @@ def test_reserved_slots_count_against_capacity() -> None:
         queue.reserve_slot(now=0.0)
     with pytest.raises(QueueFull):
         queue.put(ticket("b"))
+
+
+def test_room_for_several_items_is_checked_as_a_whole() -> None:
+    queue = ModelQueue("m", max_size=4)
+    queue.put(ticket("a"))
+
+    queue.check_room(now=0.0, items=3)
+    with pytest.raises(QueueFull, match="room for 3 of 4 items"):
+        queue.check_room(now=0.0, items=4)
+    with pytest.raises(PayloadTooLarge, match="queues at most 4 requests; 5 items in one request can never fit"):
+        queue.check_room(now=0.0, items=5)
+    assert queue.occupancy == 1  # a check takes nothing
 
 
 def test_put_with_reserved_slot_converts_it_even_when_full() -> None:

@@ -32,8 +32,10 @@ from router.errors import (
     InputError,
     ModelNotFound,
     ModelUnavailable,
+    PayloadTooLarge,
     RouterError,
     ShuttingDown,
+    brief,
     outcome_of,
 )
 from router.sdk.plugin import Payload
@@ -166,17 +168,20 @@ class ClusterRuntime:
             return self.fleet.models[name]
         except KeyError:
             known = ", ".join(sorted(self.fleet.models)) or "none"
-            raise ModelNotFound(f"no model named {name!r}; models: {known}") from None
+            raise ModelNotFound(f"no model named {brief(name, 80)}; models: {known}") from None
 
     # -- requests -----------------------------------------------------------------------------
 
     def precheck(self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
-                 received_at: float | None = None) -> None:
+                 received_at: float | None = None, items: int = 1) -> None:
         """Refuse what no replica could take, from the name and headers: unknown model, bad
-        header, shutting down, no replica for the model."""
+        header, shutting down, no replica for the model, more items than its queue holds."""
         config = self._config(model)
         try:
             self._check(model, config, priority, timeout_ms)
+            if items > config.queue.max_size:
+                raise PayloadTooLarge(f"model {model!r} queues at most {config.queue.max_size} requests; "
+                                      f"{items} items in one request can never fit")
         except RouterError as exc:
             self._count(model, outcome_of(exc), received_at or self.clock())
             raise

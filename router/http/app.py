@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
@@ -14,16 +15,17 @@ from typing import Any
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.datastructures import UploadFile
 from litestar.enums import ScopeType
-from litestar.exceptions import HTTPException
+from litestar.exceptions import ClientException, HTTPException, NotFoundException
 from litestar.openapi import OpenAPIConfig
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from litestar.types import ASGIApp, Message, Receive, ReceiveMessage, Scope, Send
 
 from router import __version__
-from router.errors import InputError, RouterError
+from router.errors import ClientDisconnected, InputError, RequestTimeout, RouterError, brief, clip
 from router.http.admin import ADMIN_ROUTES
 from router.http.auth import Access, AccessPolicy, access_guard
 from router.http.disconnect import run_unless_disconnected
-from router.http.kserve.routes import v2_router
+from router.http.kserve.routes import v2_error_response, v2_router
+from router.http.memory import BodyMemory
 from router.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.http.metrics import RouterMetrics
 from router.http.request_state import mark_received, received_at, runtime_of
@@ -37,6 +39,11 @@ __all__ = ["create_app"]
 log = logging.getLogger("router.access")
 REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 MODEL_PATH = re.compile(r"^/models/([^/]+)")
+#: A decimal number as people write it: no '1_0', no 'inf', no hex.
+DECIMAL = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+INTEGER = re.compile(r"^[+-]?\d{1,6}$")
+#: Predict takes one file; a form of many parts is refused before they are all parsed.
+MULTIPART_PART_LIMIT = 16
 
 
 # -- request decoding -----------------------------------------------------------------------------
@@ -46,35 +53,45 @@ def _number_header(request: Request[Any, Any, Any], name: str) -> float | None:
     raw = request.headers.get(name)
     if raw is None:
         return None
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        raise InputError(f"{name} must be a number, got {raw[:64]!r}") from None
+    value = float(raw.strip()) if DECIMAL.match(raw.strip()) else math.nan
     if not math.isfinite(value):
-        raise InputError(f"{name} must be a finite number, got {raw[:64]!r}")
+        raise InputError(f"{name} must be a number, like 500 or 2.5, got {brief(raw, 40)}")
     return value
 
 
 def _priority(request: Request[Any, Any, Any]) -> int | None:
-    value = _number_header(request, "X-Priority")
-    if value is None:
+    raw = request.headers.get("X-Priority")
+    if raw is None:
         return None
-    if value != int(value):
-        raise InputError(f"X-Priority must be an integer, got {value}")
-    return int(value)
+    if not INTEGER.match(raw.strip()):
+        raise InputError(f"X-Priority must be an integer, got {brief(raw, 40)}")
+    return int(raw.strip())
+
+
+async def _form(request: Request[Any, Any, Any]) -> Any:
+    try:
+        return await request.form()
+    except ClientException as exc:
+        if exc.detail == "Request Entity Too Large":  # Litestar's words for its part limit
+            raise InputError(f"the multipart body has more than {MULTIPART_PART_LIMIT} parts; "
+                             "send the input as one field named 'file'") from None
+        raise InputError(f"the multipart body is malformed: {exc.detail}") from None
 
 
 async def _payload(request: Request[Any, Any, Any]) -> Payload:
     """A multipart field `file`, or the raw body with its content type."""
     media_type = request.headers.get("content-type", "application/octet-stream")
     if media_type.lower().startswith("multipart/form-data"):
-        form = await request.form()
+        form = await _form(request)
         upload = form.get("file")
         if not isinstance(upload, UploadFile):
-            fields = ", ".join(sorted(form.keys())) or "none"
+            fields = ", ".join(brief(key, 40) for key in sorted(form.keys())[:8]) or "none"
             raise InputError(f"multipart body needs a file field named 'file'; got fields: {fields}")
         body = await upload.read()
-        payload = Payload(body, upload.content_type or "application/octet-stream", upload.filename)
+        # A part without its own Content-Type (Python requests' `files={"file": f}`) is sniffed,
+        # not taken for the text/plain that Litestar assumes.
+        declared = any(name.lower() == "content-type" for name in upload.headers)
+        payload = Payload(body, upload.content_type if declared else "application/octet-stream", upload.filename)
     else:
         payload = Payload(await request.body(), media_type)
     if not payload.body:
@@ -156,12 +173,17 @@ async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
 # -- errors, request ids, access log ----------------------------------------------------------------
 
 
-def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, Any]]:
-    """Every error as JSON with `detail`; status and headers from the error class."""
+def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
+    """Every error as JSON with `detail`; status and headers from the error class. Under /v2
+    (an unknown V2 route, a wrong method) the V2 shape `{"error": ...}`."""
+    if request.scope.get("path", "").startswith("/v2"):
+        return v2_error_response(request, exc)
     if isinstance(exc, RouterError):
         status, detail, headers = exc.status_code, exc.detail, exc.headers
     elif isinstance(exc, HTTPException):
         status, detail, headers = exc.status_code, exc.detail, dict(exc.headers or {})
+        if isinstance(exc, NotFoundException) and detail == "Not Found":
+            detail = f"no route {request.scope.get('method')} {clip(request.scope.get('path', ''), 120)}"
     else:
         log.exception("unhandled error")
         status, detail, headers = 500, "internal server error", {}
@@ -169,8 +191,10 @@ def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response
                     headers=headers, media_type=MediaType.JSON)
 
 
-def request_id_middleware(app: ASGIApp) -> ASGIApp:
-    """Give every response an X-Request-ID (the caller's, if sane) and write one access log line."""
+def request_id_middleware(app: ASGIApp, *, body_timeout_s: float, memory: BodyMemory | None = None) -> ASGIApp:
+    """Around every HTTP request, routed or not (404, 405): an X-Request-ID on the response (the
+    caller's, if sane), one access log line, the body's read deadline, and 499 for a client that
+    went away before its answer."""
 
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != ScopeType.HTTP:
@@ -190,13 +214,44 @@ def request_id_middleware(app: ASGIApp) -> ASGIApp:
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
             await send(message)
 
+        if memory is not None:
+            memory.in_flight += 1
         try:
-            await app(scope, receive, send_with_id)
+            await app(scope, _read_body_by(receive, body_timeout_s, memory), send_with_id)
         finally:
+            if memory is not None:
+                memory.in_flight -= 1
             _access_line(scope, status, time.perf_counter() - started)
             request_id_var.reset(token)
 
     return middleware
+
+
+def _read_body_by(receive: Receive, timeout_s: float, memory: BodyMemory | None) -> Receive:
+    """`receive`, but the body must arrive within `timeout_s` (408 after that), and a client that
+    disconnects while sending it answers 499 (ClientDisconnected) instead of an error. Once the
+    body is in, `receive` is passed through: the disconnect watcher waits on it."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    reading = True
+
+    async def timed_receive() -> ReceiveMessage:
+        nonlocal reading
+        if not reading:
+            return await receive()
+        try:
+            async with asyncio.timeout_at(deadline):
+                message = await receive()
+        except TimeoutError:
+            raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected("the client disconnected while sending the request body")
+        if message["type"] == "http.request":
+            if memory is not None:
+                memory.received(len(message["body"]))
+            reading = message.get("more_body", False)
+        return message
+
+    return timed_receive
 
 
 def _access_line(scope: Scope, status: int, seconds: float) -> None:
@@ -222,17 +277,24 @@ def create_app(
     drain_timeout_s: float = 30.0,
     access_policy: AccessPolicy | None = None,
     bound_metrics: RouterMetrics | None = None,
+    body_timeout_s: float = 60.0,
+    max_items: int = 1024,
+    trim_memory: bool = True,
 ) -> Litestar:
     """The Litestar app around a runtime (or any serving façade). The runtime starts in the lifespan
     and loads models in the background. `bound_metrics`: a registry already bound to the runtime, with
     collectors of its own (the cluster's); by default a fresh one bound here."""
+    memory = BodyMemory() if trim_memory else None
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         await runtime.start()
+        trimmer = asyncio.create_task(memory.trim_after_bursts(), name="trim-memory") if memory else None
         try:
             yield
         finally:
+            if trimmer is not None:
+                trimmer.cancel()
             if not runtime.draining:
                 await runtime.drain(drain_timeout_s)
             await runtime.stop()
@@ -240,14 +302,18 @@ def create_app(
     app = Litestar(
         route_handlers=[predict, list_models, show_model, live, ready, metrics, *ADMIN_ROUTES, v2_router, ui_router],
         lifespan=[lifespan],
-        middleware=[request_id_middleware],
         exception_handlers={Exception: _error_response},
         guards=[access_guard],
         request_max_body_size=max_body_bytes,
+        multipart_form_part_limit=MULTIPART_PART_LIMIT,
         openapi_config=OpenAPIConfig(title="model-router", version=__version__, path="/schema"),
         logging_config=None,
     )
+    # Around Litestar's router rather than its route handlers, so that unrouted requests (404,
+    # 405) get a request id and an access line too.
+    app.asgi_handler = request_id_middleware(app.asgi_handler, body_timeout_s=body_timeout_s, memory=memory)
     app.state.runtime = runtime
+    app.state.max_items = max_items
     router_metrics = bound_metrics
     if router_metrics is None:
         router_metrics = RouterMetrics()

@@ -16,7 +16,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
 from router.config import ServerSettings
-from router.errors import ConfigError, Forbidden, Unauthorized
+from router.errors import ConfigError, Forbidden, Unauthorized, clip
 
 __all__ = ["Access", "AccessPolicy", "access_guard", "policy_from_settings", "read_keys"]
 
@@ -32,18 +32,32 @@ class Access(str, Enum):
 
 
 def read_keys(inline: str | None, file: Path | None, name: str) -> tuple[bytes, ...]:
-    """Keys from a comma-separated value and/or a file with one key a line ('#' starts a comment)."""
+    """Keys from a comma-separated value and/or a file with one key a line ('#' starts a comment).
+
+    Fails closed: a setting that is present but holds no key (`' , '`, an empty file) is an error,
+    not an open server; and a key must be printable ASCII, as a client can send it in a header.
+    Messages never show a key."""
     keys = [k.strip() for k in (inline or "").split(",") if k.strip()]
+    if inline is not None and not keys:
+        raise ConfigError(f"{name} is set but holds no key; give keys of at least 16 characters, or unset it")
     if file is not None:
         try:
             lines = file.read_text(encoding="utf-8").splitlines()
-        except OSError as exc:
-            raise ConfigError(f"{name}_FILE: cannot read {str(file)!r}: {exc.strerror or exc}") from exc
-        keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    for key in keys:
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+            raise ConfigError(f"{name}_FILE: cannot read {clip(str(file), 200)!r}: {reason}") from None
+        from_file = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not from_file:
+            raise ConfigError(f"{name}_FILE: {clip(str(file), 200)!r} holds no key (empty, or only comments); "
+                              "a secret mounted empty would leave the server open")
+        keys += from_file
+    for index, key in enumerate(keys, 1):
+        if not all("!" <= char <= "~" for char in key):
+            raise ConfigError(f"{name}: key {index} has a character that is not printable ASCII (or a space); "
+                              "clients send keys in a header, so keys are printable ASCII")
         if len(key) < 16:
             raise ConfigError(f"{name}: every key must be at least 16 characters, got one of {len(key)}")
-    return tuple(k.encode() for k in keys)
+    return tuple(k.encode("ascii") for k in keys)
 
 
 @dataclass(frozen=True)
@@ -56,6 +70,25 @@ class AccessPolicy:
     @property
     def enabled(self) -> bool:
         return bool(self.predict_keys or self.admin_keys)
+
+    def check_consistent(self) -> None:
+        """Refuse settings that ask for protection no key can give (ConfigError)."""
+        if not self.enabled and (self.protect_health or self.protect_metrics):
+            which = "MODEL_ROUTER_PROTECT_HEALTH" if self.protect_health else "MODEL_ROUTER_PROTECT_METRICS"
+            raise ConfigError(f"{which} is set but no API or admin key is configured; set MODEL_ROUTER_API_KEYS "
+                              "or MODEL_ROUTER_ADMIN_KEYS (or their _FILE forms)")
+
+    def describe(self) -> str:
+        """One line for the start-up log: which protection is on. Never shows a key."""
+        if not self.enabled:
+            return "access: open (no API keys set): any client that reaches the port may run inference"
+        inference = (f"{len(self.predict_keys)} inference key(s) and the admin keys" if self.predict_keys
+                     else "an admin key (no inference keys are set, so inference needs the admin key)")
+        admin = (f"state changes need one of {len(self.admin_keys)} admin key(s)" if self.admin_keys
+                 else "state changes are refused (no admin keys)")
+        return (f"access: keys required; inference and model listing need {inference}; {admin}; "
+                f"health {'protected' if self.protect_health else 'open'}, "
+                f"metrics {'protected' if self.protect_metrics else 'open'}")
 
     def check(self, access: Access, authorization: str | None) -> None:
         """Raise Unauthorized (401) or Forbidden (403) unless the presented key grants `access`."""
@@ -103,10 +136,13 @@ async def access_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: 
 
 
 def policy_from_settings(settings: ServerSettings) -> AccessPolicy:
-    """The keys and protections the MODEL_ROUTER_* settings ask for."""
-    return AccessPolicy(
+    """The keys and protections the MODEL_ROUTER_* settings ask for. Settings that would leave the
+    server open by mistake raise ConfigError (fail closed)."""
+    policy = AccessPolicy(
         predict_keys=read_keys(settings.api_keys, settings.api_keys_file, "MODEL_ROUTER_API_KEYS"),
         admin_keys=read_keys(settings.admin_keys, settings.admin_keys_file, "MODEL_ROUTER_ADMIN_KEYS"),
         protect_health=settings.protect_health,
         protect_metrics=settings.protect_metrics,
     )
+    policy.check_consistent()
+    return policy

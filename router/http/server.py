@@ -1,5 +1,5 @@
-"""Running the app under uvicorn, with a drain on the first SIGTERM or SIGINT, and SIGHUP
-re-reading the fleet file."""
+"""Running the app under uvicorn, with the connection limits, a drain on the first SIGTERM or
+SIGINT, and SIGHUP re-reading the fleet file."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from litestar import Litestar
 
+from router.config import ServerSettings
+from router.http.protocol import HttpLimits, guarded_protocol
 from router.serving.facade import ServingFacade
 
-__all__ = ["DrainingServer"]
+__all__ = ["DrainingServer", "run_server"]
 
 log = logging.getLogger("router.http.server")
 
@@ -69,3 +72,17 @@ class DrainingServer(uvicorn.Server):
                 self.should_exit = True
 
         self._drain_task = asyncio.ensure_future(drain_then_exit())
+
+
+def run_server(app: Litestar, runtime: ServingFacade, settings: ServerSettings) -> None:
+    """Serve `app` until a signal: HTTP/1.1 with the header, count and read-time limits of the
+    settings (`router.http.protocol`), at most `max_connections` connections and running requests."""
+    limits = HttpLimits(max_header_bytes=settings.max_header_bytes, max_headers=settings.max_headers,
+                        header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
+                            timeout_graceful_shutdown=5, access_log=False, http=guarded_protocol(limits),
+                            ws="none", timeout_keep_alive=settings.keep_alive_s,
+                            limit_concurrency=settings.max_connections)
+    server = DrainingServer(config, runtime, settings.drain_timeout_s)
+    log.info("serving %s on http://%s:%d", settings.config, settings.host, settings.port)
+    server.run()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.config import BatchPolicy
-from router.errors import QueueFull
+from router.errors import PayloadTooLarge, QueueFull
 
 __all__ = ["DrainRate", "ModelQueue", "Ticket", "TicketState", "reject", "resolve"]
 
@@ -108,11 +108,15 @@ class ModelQueue:
         """Queued tickets plus reserved slots; compared with max_size."""
         return self._live + self._pending
 
-    def check_room(self, now: float) -> None:
-        """Raise QueueFull if no request can be taken now."""
-        if self.occupancy >= self.max_size:
+    def check_room(self, now: float, items: int = 1) -> None:
+        """Raise QueueFull if `items` requests cannot all be taken now; PayloadTooLarge if they never can."""
+        if items > self.max_size:
+            raise PayloadTooLarge(f"model {self.name!r} queues at most {self.max_size} requests; "
+                                  f"{items} items in one request can never fit")
+        if self.occupancy + items > self.max_size:
+            room = f"room for {self.max_size - self.occupancy} of {items} items" if items > 1 else f"{self.max_size} requests"
             raise QueueFull(
-                f"model {self.name!r} queue is full ({self.max_size} requests); retry later",
+                f"model {self.name!r} queue is full ({room}); retry later",
                 retry_after_s=self.retry_after_s(now),
             )
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from fnmatch import fnmatch
 from typing import Any
 
-from router.errors import InputError, ModelError, QueueFull, UnsupportedMediaType
+from router.errors import InputError, ModelError, QueueFull, UnsupportedMediaType, clip
 from router.sdk.plugin import Payload
 from router.serving.deployment import Deployment
 
@@ -40,7 +40,8 @@ def check_media_type(deployment: Deployment, payload: Payload) -> None:
         return  # bytes of unknown type: the plugin sniffs the real format
     if not any(fnmatch(media, pattern) for pattern in accepts):
         raise UnsupportedMediaType(
-            f"model {deployment.name!r} does not accept {media or 'an empty media type'}; accepted: {', '.join(accepts)}"
+            f"model {deployment.name!r} does not accept {clip(media, 80) or 'an empty media type'}; "
+            f"accepted: {', '.join(accepts)}"
         )
 
 

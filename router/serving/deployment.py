@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from pydantic import BaseModel
 
 from router.config import BatchPolicy, ModelConfig
-from router.errors import ModelNotFound
+from router.errors import ModelNotFound, brief
 from router.scheduling.queue import ModelQueue
 from router.scheduling.residency import Occupant
 from router.scheduling.scheduler import Runner
@@ -273,4 +273,4 @@ def find_deployment(deployments: Mapping[str, Deployment], name: str) -> Deploym
         return deployments[name]
     except KeyError:
         known = ", ".join(sorted(deployments)) or "none"
-        raise ModelNotFound(f"no model named {name!r}; models: {known}") from None
+        raise ModelNotFound(f"no model named {brief(name, 80)}; models: {known}") from None

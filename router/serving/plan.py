@@ -8,8 +8,9 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ValidationError
 
-from router.config import FleetConfig, format_validation_error, load_fleet
-from router.errors import ConfigError, UnknownPlugin
+from router.config import SECRET_LOOKING, FleetConfig, config_error, load_fleet, validation_problems
+from router.errors import UnknownPlugin, brief, clip
+from router.sdk.plugin import PluginContext
 from router.serving.registry import PluginInfo, PluginRegistry
 
 __all__ = ["FleetPlan", "ModelPlan", "load_plan", "option_keys", "resolve_fleet"]
@@ -77,33 +78,41 @@ def option_keys(schema: type[BaseModel]) -> list[str]:
 
 
 def resolve_fleet(fleet: FleetConfig, registry: PluginRegistry, source: str = "fleet") -> FleetPlan:
-    """Match each model to its plugin and validate its options. All problems are reported together."""
+    """Match each model to its plugin, validate its options and construct the plugin once (which
+    resolves its file paths: one escaping the model store is refused here). Nothing is loaded.
+    All problems are reported together."""
     problems: list[str] = []
     models: dict[str, ModelPlan] = {}
     for name, config in fleet.models.items():
         try:
             info = registry.get(config.plugin)
         except UnknownPlugin as exc:
-            problems.append(f"  {source}: models.{name}.plugin: {exc.message} (got {config.plugin!r})")
+            problems.append(f"{source}: models.{name}.plugin: {clip(exc.message)} (got {brief(config.plugin)})")
             continue
         schema = info.cls.Options
         accepted = option_keys(schema)
         unknown = [key for key in config.options if key not in accepted]
         problems.extend(
-            f"  {source}: models.{name}.options.{key}: unknown key; accepted: {', '.join(accepted) or 'none'}"
-            f" (got {config.options[key]!r})"
+            f"{source}: models.{name}.options.{clip(key, 80)}: unknown key; accepted: {', '.join(accepted) or 'none'}"
+            + (" (value not shown: the key may hold a secret)" if SECRET_LOOKING.search(key)
+               else f" (got {brief(config.options[key])})")
             for key in unknown
         )
         try:
             options = schema.model_validate({k: v for k, v in config.options.items() if k in accepted})
         except ValidationError as exc:
-            detail = format_validation_error(exc, source, schema).splitlines()[1:]
-            problems.extend(line.replace(f"{source}: ", f"{source}: models.{name}.options.", 1) for line in detail)
+            problems += validation_problems(exc, source, schema, prefix=f"models.{name}.options.")
             continue
-        if not unknown:
-            models[name] = ModelPlan(name, info, options)
+        if unknown:
+            continue
+        try:
+            info.cls(options, PluginContext(name, fleet.model_store, fleet.allow_absolute_paths))
+        except Exception as exc:  # a path outside the store (ValueError), or the plugin's own refusal
+            problems.append(f"{source}: models.{name}.options: {clip(str(exc) or type(exc).__name__)}")
+            continue
+        models[name] = ModelPlan(name, info, options)
     if problems:
-        raise ConfigError("\n".join([f"{source}: invalid configuration ({len(problems)} problem(s))", *problems]))
+        raise config_error(source, problems)
     return FleetPlan(source, fleet, models)
 
 

@@ -287,12 +287,13 @@ class Runtime:
 
     def precheck(
         self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
-        received_at: float | None = None,
+        received_at: float | None = None, items: int = 1,
     ) -> None:
         """Refuse, from the model name and the request's headers alone, what `submit` would refuse
         before running anything (unknown model, bad header, shutting down, model not serving,
         queue full, predicted to miss its deadline), so that the caller need not read the body.
-        Takes nothing: `submit` decides again."""
+        With `items`, the queue must have room for all of them (a request that the queue can never
+        hold is 413). Takes nothing: `submit` decides again, item by item."""
         deployment = self._deployment(model)
         now = self.clock()
         started = now if received_at is None else min(received_at, now)
@@ -300,7 +301,7 @@ class Runtime:
             self._check_accepting(deployment)
             check_priority(deployment, priority)
             budget_s = check_timeout(deployment, timeout_ms) - (now - started)
-            deployment.queue.check_room(now)
+            deployment.queue.check_room(now, items)
             check_predicted_wait(deployment, budget_s, now, take_probe=False, device_free_at=self._free_at(now))
         except RouterError as exc:
             self._count(deployment, outcome_of(exc), started)

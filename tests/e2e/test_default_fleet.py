@@ -74,6 +74,17 @@ def test_both_models_answer_real_images(server: RouterProcess, filename: str, me
     check_classification_answer(classified.json())
 
 
+def test_a_file_part_without_its_own_content_type_is_sniffed(server: RouterProcess) -> None:
+    """Python requests' `files={"file": open("street.jpg", "rb")}`: a filename and no Content-Type."""
+    data = (EXAMPLES / "street.jpg").read_bytes()
+    body = (b"--b0undary\r\nContent-Disposition: form-data; name=\"file\"; filename=\"street.jpg\"\r\n\r\n"
+            + data + b"\r\n--b0undary--\r\n")
+    for model in ("resnet18", "yolov8n"):
+        response = httpx.post(f"{server.url}/models/{model}/predict", content=body, timeout=60,
+                              headers={"content-type": "multipart/form-data; boundary=b0undary"})
+        assert response.status_code == 200, response.text
+
+
 def test_bad_images_are_refused_and_the_models_keep_serving(server: RouterProcess) -> None:
     jpeg = (EXAMPLES / "street.jpg").read_bytes()
     cases = [(jpeg[: len(jpeg) // 2], "image/jpeg", 400), (b"GIF89a" + b"\0" * 64, "image/gif", 415),

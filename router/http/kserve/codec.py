@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import io
-import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatch
@@ -30,12 +30,15 @@ from litestar.exceptions import HTTPException
 from litestar.serialization import encode_json
 from PIL import Image
 
-from router.errors import InputError, RouterError, v2_status
+from router.errors import InputError, PayloadTooLarge, RouterError, brief, clip, v2_status
+from router.http.kserve.bounded_json import loads_bounded
 from router.http.kserve.tensors import DATATYPES, DATATYPES_TEXT, Tensor, serialize_bytes, tensor_from_binary, tensor_from_json
+from router.sdk.images import DEFAULT_MAX_PIXELS
 from router.sdk.plugin import Payload
 
 __all__ = [
     "HEADER_LENGTH",
+    "MAX_DIMS",
     "MODEL_VERSION",
     "OUTPUT_NAME",
     "InferRequest",
@@ -58,6 +61,9 @@ HEADER_LENGTH: Final = "Inference-Header-Content-Length"
 MODEL_VERSION: Final = "1"
 OUTPUT_NAME: Final = "OUTPUT"
 _UNSUPPORTED_PARAMETERS: Final = ("sequence_id", "sequence_start", "sequence_end")
+#: Dimensions of one tensor (numpy's limit, and Triton's); each at most an int64.
+MAX_DIMS: Final = 64
+_MAX_DIM: Final = 2**63 - 1
 
 
 class NotSupported(RouterError):
@@ -129,9 +135,11 @@ class InferRequest:
     priority: int | None  # as the client sent it: Triton's 1 is the highest, None the default
 
 
-def decode_request(body: bytes, header_length: str | None = None) -> InferRequest:
+def decode_request(body: bytes, header_length: str | None = None, *, max_items: int | None = None) -> InferRequest:
     """Parse an infer request: the whole body is JSON, or (binary extension) the first
-    `header_length` bytes are, and the rest holds the inputs that declare `binary_data_size`."""
+    `header_length` bytes are, and the rest holds the inputs that declare `binary_data_size`.
+    An input with more than `max_items` items (its first dimension) is refused (413) from its
+    shape, before its data is decoded."""
     header, blob = _split_body(body, header_length)
     inputs_json = header.get("inputs")
     if not isinstance(inputs_json, list) or not inputs_json:
@@ -139,21 +147,21 @@ def decode_request(body: bytes, header_length: str | None = None) -> InferReques
     offset = 0
     inputs: list[Tensor] = []
     for index, spec in enumerate(inputs_json):
-        tensor, used = _decode_input(spec, index, blob, offset)
+        tensor, used = _decode_input(spec, index, blob, offset, max_items)
         inputs.append(tensor)
         offset += used
     if offset != len(blob):
         raise InputError(f"{len(blob) - offset} bytes of binary data follow the inputs' binary_data_size total of {offset}")
     names = [t.name for t in inputs]
     if len(set(names)) != len(names):
-        raise InputError(f"input names must be unique, got {names}")
+        raise InputError(f"input names must be unique, got {brief(names)}")
     parameters = _parameters(header.get("parameters"), "the request")
     for key in _UNSUPPORTED_PARAMETERS:
         if parameters.get(key):
             raise InputError(f"parameter {key!r}: sequence batching is not supported")
     request_id = header.get("id")
     if request_id is not None and not isinstance(request_id, str):
-        raise InputError(f"'id' must be a string, got {request_id!r}")
+        raise InputError(f"'id' must be a string, got {brief(request_id)}")
     return InferRequest(
         id=request_id, inputs=tuple(inputs), outputs=_requested_outputs(header.get("outputs")),
         binary_output=_flag(parameters, "binary_data_output", "the request"),
@@ -168,68 +176,73 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any],
         try:
             length = int(header_length.strip())
         except ValueError:
-            raise InputError(f"{HEADER_LENGTH} must be an integer, got {header_length[:64]!r}") from None
+            raise InputError(f"{HEADER_LENGTH} must be an integer, got {brief(header_length, 40)}") from None
         if not 0 < length <= len(body):
             raise InputError(f"{HEADER_LENGTH} is {length}, but the body has {len(body)} bytes")
-    try:
-        header = json.loads(body[:length])
-    except (ValueError, UnicodeDecodeError) as exc:
-        where = f"the first {length} bytes ({HEADER_LENGTH})" if header_length is not None else "the body"
-        raise InputError(f"{where} must be the JSON inference request: {exc}") from None
+    where = f"the first {length} bytes ({HEADER_LENGTH})" if header_length is not None else "the body"
+    header = loads_bounded(body[:length], where, expected="the JSON inference request")
     if not isinstance(header, dict):
         raise InputError(f"the inference request must be a JSON object, got {type(header).__name__}")
     return header, body[length:]
 
 
-def _decode_input(spec: Any, index: int, blob: bytes, offset: int) -> tuple[Tensor, int]:
+def _decode_input(spec: Any, index: int, blob: bytes, offset: int, max_items: int | None) -> tuple[Tensor, int]:
     """One input tensor, and how many bytes of the binary section it used."""
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise InputError(f"inputs[{index}] must be an object with a string 'name', got {str(spec)[:80]}")
-    name = spec["name"]
+        raise InputError(f"inputs[{index}] must be an object with a string 'name', got {brief(spec)}")
+    name = brief(spec["name"], 64)  # as the messages quote it
     datatype = spec.get("datatype")
     if not isinstance(datatype, str) or datatype not in DATATYPES:
-        raise InputError(f"input {name!r}: datatype must be one of {DATATYPES_TEXT}, got {datatype!r}")
+        raise InputError(f"input {name}: datatype must be one of {DATATYPES_TEXT}, got {brief(datatype, 40)}")
     shape = _shape(spec.get("shape"), name)
-    parameters = _parameters(spec.get("parameters"), f"input {name!r}")
+    if max_items is not None and shape[0] > max_items:
+        raise PayloadTooLarge(
+            f"input {name} has {shape[0]} items (its first dimension); a request to this model may carry at most {max_items}"
+        )
+    parameters = _parameters(spec.get("parameters"), f"input {name}")
     if "shared_memory_region" in parameters:
-        raise InputError(f"input {name!r}: shared memory is not supported; send the data in the request")
+        raise InputError(f"input {name}: shared memory is not supported; send the data in the request")
     size = parameters.get("binary_data_size")
     if size is None:
         if "data" not in spec:
-            raise InputError(f"input {name!r} has no 'data' and no binary_data_size parameter")
+            raise InputError(f"input {name} has no 'data' and no binary_data_size parameter")
         base64_bytes = parameters.get("content_type") == "base64"
-        return tensor_from_json(name, datatype, shape, spec["data"], base64_bytes=base64_bytes), 0
+        return tensor_from_json(spec["name"], datatype, shape, spec["data"], base64_bytes=base64_bytes), 0
     if "data" in spec:
-        raise InputError(f"input {name!r} has both 'data' and binary_data_size; send one")
+        raise InputError(f"input {name} has both 'data' and binary_data_size; send one")
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-        raise InputError(f"input {name!r}: binary_data_size must be a non-negative integer, got {size!r}")
+        raise InputError(f"input {name}: binary_data_size must be a non-negative integer, got {brief(size, 40)}")
     if offset + size > len(blob):
         raise InputError(
-            f"input {name!r}: binary_data_size {size} runs past the end of the body "
+            f"input {name}: binary_data_size {size} runs past the end of the body "
             f"({len(blob) - offset} bytes of binary data left)"
         )
-    return tensor_from_binary(name, datatype, shape, blob[offset:offset + size]), size
+    return tensor_from_binary(spec["name"], datatype, shape, blob[offset:offset + size]), size
 
 
 def _shape(value: Any, name: str) -> tuple[int, ...]:
     dims = value if isinstance(value, list) else []
-    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims):
-        raise InputError(f"input {name!r}: shape must be a non-empty list of non-negative integers, got {value!r}")
-    return tuple(value)
+    if not dims or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= _MAX_DIM for d in dims):
+        raise InputError(f"input {name}: shape must be a non-empty list of non-negative integers, got {brief(value)}")
+    if len(dims) > MAX_DIMS:
+        raise InputError(f"input {name}: shape has {len(dims)} dimensions; at most {MAX_DIMS} are accepted")
+    if math.prod(dims) > _MAX_DIM:
+        raise InputError(f"input {name}: shape {dims} has more than 2**63 - 1 elements")
+    return tuple(dims)
 
 
 def _parameters(value: Any, where: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise InputError(f"{where}: 'parameters' must be an object, got {str(value)[:80]}")
+        raise InputError(f"{where}: 'parameters' must be an object, got {brief(value)}")
     return value
 
 
 def _flag(parameters: Mapping[str, Any], key: str, where: str) -> bool:
     value = parameters.get(key, False)
     if not isinstance(value, bool):
-        raise InputError(f"{where}: parameter {key!r} must be true or false, got {value!r}")
+        raise InputError(f"{where}: parameter {brief(key, 40)} must be true or false, got {brief(value, 40)}")
     return value
 
 
@@ -237,12 +250,12 @@ def _requested_outputs(value: Any) -> tuple[RequestedOutput, ...] | None:
     if value is None:
         return None
     if not isinstance(value, list):
-        raise InputError(f"'outputs' must be a list of {{\"name\": ...}} objects, got {str(value)[:80]}")
+        raise InputError(f"'outputs' must be a list of {{\"name\": ...}} objects, got {brief(value)}")
     outputs = []
     for index, spec in enumerate(value):
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-            raise InputError(f"outputs[{index}] must be an object with a string 'name', got {str(spec)[:80]}")
-        where = f"output {spec['name']!r}"
+            raise InputError(f"outputs[{index}] must be an object with a string 'name', got {brief(spec)}")
+        where = f"output {brief(spec['name'], 64)}"
         parameters = _parameters(spec.get("parameters"), where)
         for feature, text in (("classification", "classification"), ("shared_memory_region", "shared memory")):
             if parameters.get(feature):
@@ -257,7 +270,7 @@ def _timeout_ms(parameters: Mapping[str, Any]) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InputError(f"parameter 'timeout' must be a non-negative integer of microseconds, got {value!r}")
+        raise InputError(f"parameter 'timeout' must be a non-negative integer of microseconds, got {brief(value, 40)}")
     return value / 1000.0 if value else None
 
 
@@ -266,7 +279,7 @@ def _priority(parameters: Mapping[str, Any]) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InputError(f"parameter 'priority' must be a non-negative integer, got {value!r}")
+        raise InputError(f"parameter 'priority' must be a non-negative integer, got {brief(value, 40)}")
     return value or None
 
 
@@ -286,7 +299,7 @@ def to_payloads(request: InferRequest, model: str, sig: Signature) -> list[Paylo
     """One payload per item of the batch dimension, in order."""
     sizes = {t.shape[0] for t in request.inputs}
     if len(sizes) != 1:
-        shapes = ", ".join(f"{t.name} {list(t.shape)}" for t in request.inputs)
+        shapes = ", ".join(f"{clip(t.name, 40)} {list(t.shape)}" for t in request.inputs[:4])
         raise InputError(f"every input must have the same batch size (first dimension); got {shapes}")
     if sizes == {0}:
         raise InputError("the batch is empty: the inputs' first dimension is 0")
@@ -294,19 +307,23 @@ def to_payloads(request: InferRequest, model: str, sig: Signature) -> list[Paylo
         return _json_objects(request.inputs, sig)
     tensor = _only_input(request.inputs, model, sig)
     if sig.kind is InputKind.IMAGE and tensor.datatype == "UINT8" and len(tensor.shape) == 4 and tensor.shape[3] == 3:
+        height, width = tensor.shape[1:3]
+        if height * width > DEFAULT_MAX_PIXELS:  # refused before any image is re-encoded
+            raise PayloadTooLarge(f"input {brief(tensor.name, 64)}: images of {width}x{height} pixels are over the "
+                                  f"limit of {DEFAULT_MAX_PIXELS} pixels")
         return [_bmp(pixels) for pixels in tensor.data]
     if tensor.datatype == "BYTES" and (len(tensor.shape) == 1 or tensor.shape[1:] == (1,)):
         return [Payload(bytes(element), sig.media_type) for element in tensor.data.reshape(-1)]
     forms = "BYTES [N] or UINT8 [N,H,W,3]" if sig.kind is InputKind.IMAGE else "BYTES [N]"
     raise InputError(
-        f"input {tensor.name!r} of model {model!r} must be {forms}, got {tensor.datatype} {list(tensor.shape)}"
+        f"input {brief(tensor.name, 64)} of model {model!r} must be {forms}, got {tensor.datatype} {list(tensor.shape)}"
     )
 
 
 def _only_input(inputs: Sequence[Tensor], model: str, sig: Signature) -> Tensor:
     names = [t.name for t in inputs]
     if names != [sig.input_name]:
-        raise InputError(f"model {model!r} takes one input named {sig.input_name!r}, got {names}")
+        raise InputError(f"model {model!r} takes one input named {sig.input_name!r}, got {brief(names)}")
     return inputs[0]
 
 
@@ -334,7 +351,7 @@ def _json_values(tensor: Tensor) -> list[Any]:
     try:
         text = np.array([b.decode("utf-8") for b in tensor.data.reshape(-1)], dtype=object)
     except UnicodeDecodeError as exc:
-        raise InputError(f"input {tensor.name!r}: BYTES elements must be UTF-8 text for this model: {exc}") from None
+        raise InputError(f"input {brief(tensor.name, 64)}: BYTES elements must be UTF-8 text for this model: {exc}") from None
     return list(text.reshape(tensor.shape).tolist())
 
 
@@ -345,7 +362,7 @@ def select_outputs(request: InferRequest, sig: Signature) -> tuple[RequestedOutp
         return tuple(RequestedOutput(name, request.binary_output) for name in available)
     unknown = [o.name for o in request.outputs if o.name not in available]
     if unknown:
-        raise InputError(f"unknown output {unknown[0]!r}; outputs: {', '.join(available)}")
+        raise InputError(f"unknown output {brief(unknown[0], 64)}; outputs: {', '.join(available)}")
     return request.outputs
 
 

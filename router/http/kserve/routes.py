@@ -8,7 +8,6 @@ handler (`encode_error` holds the mapping); the native routes keep `{"detail": .
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 import zlib
@@ -18,9 +17,10 @@ from typing import Any, Final
 from litestar import MediaType, Request, Response, Router, get, post
 
 from router import __version__
-from router.errors import InputError, ModelNotFound, PayloadTooLarge, RouterError, UnsupportedMediaType
+from router.errors import InputError, ModelNotFound, PayloadTooLarge, RouterError, UnsupportedMediaType, brief
 from router.http.auth import Access
 from router.http.disconnect import run_unless_disconnected
+from router.http.kserve.bounded_json import loads_bounded
 from router.http.kserve.codec import (
     HEADER_LENGTH,
     MODEL_VERSION,
@@ -42,11 +42,12 @@ from router.serving.facade import ServingFacade
 from router.serving.runtime import Answer
 from router.serving.snapshots import ModelInfo
 
-__all__ = ["v2_router"]
+__all__ = ["v2_error_response", "v2_router"]
 
 log = logging.getLogger("router.http.kserve.routes")
 EXTENSIONS: Final = ["binary_tensor_data", "model_repository"]
 DEFAULT_BODY_LIMIT: Final = 20 * 1024 * 1024
+DEFAULT_MAX_ITEMS: Final = 1024
 #: Triton's model states, from the router's.
 _TRITON_STATES: Final = {
     "ready": "READY", "degraded": "READY", "pending": "LOADING", "loading": "LOADING", "draining": "UNLOADING",
@@ -57,7 +58,7 @@ _TRITON_STATES: Final = {
 def _model(request: Request[Any, Any, Any], name: str, version: str | None) -> ModelInfo:
     model = runtime_of(request).model(name)
     if version is not None and version != MODEL_VERSION:
-        raise ModelNotFound(f"model {name!r} has no version {version!r}; versions: {MODEL_VERSION}")
+        raise ModelNotFound(f"model {name!r} has no version {brief(version, 40)}; versions: {MODEL_VERSION}")
     return model
 
 
@@ -107,28 +108,36 @@ async def model_ready(name: str, request: Request[Any, Any, Any], version: str |
 @post(["/models/{name:str}/infer", "/models/{name:str}/versions/{version:str}/infer"], status_code=200,
       summary="V2 inference: each item of the batch goes through the model's queue and batcher")
 async def infer(name: str, request: Request[Any, Any, Any], version: str | None = None) -> Response[bytes]:
-    """JSON tensors or Triton's binary tensor data extension. Parameters: `timeout` (us), `priority` (1 highest)."""
+    """JSON tensors or Triton's binary tensor data extension. Parameters: `timeout` (us), `priority` (1 highest).
+    A request is admitted or refused as a whole: its item count against the model's queue before any item is queued."""
     runtime = runtime_of(request)
     model = _model(request, name, version)  # 404 before reading the body
+    runtime.precheck(name, received_at=received_at(request))  # draining, not serving, full: before the body
     body = _decompress(await request.body(), request.headers.get("content-encoding"), _body_limit(request))
-    decoded, outputs, payloads = await asyncio.to_thread(_decode, model, body, request.headers.get(HEADER_LENGTH))
-    priority = router_priority(decoded.priority, model.priority_levels)
-    request.scope["state"]["access"] = {"model": name, "input_bytes": len(body), "items": len(payloads)}
-    work = _submit_all(runtime, name, payloads, priority, decoded.timeout_ms, received_at(request))
-    answers = await run_unless_disconnected(request.receive, work)
+    work = _decode_and_run(request, runtime, model, body)  # a client gone mid-decode stops it before submitting
+    decoded, outputs, answers = await run_unless_disconnected(request.receive, work)
     content, header_length = encode_response(name, decoded, outputs, [answer.output for answer in answers])
     if header_length is None:
         return Response(content, media_type=MediaType.JSON)
     return Response(content, media_type="application/octet-stream", headers={HEADER_LENGTH: str(header_length)})
 
 
-def _decode(
-    model: ModelInfo, body: bytes, header_length: str | None
-) -> tuple[InferRequest, Sequence[RequestedOutput], list[Payload]]:
-    """The CPU part of decoding (JSON, tensors, images), run off the event loop."""
-    decoded = decode_request(body, header_length)
+async def _decode_and_run(
+    request: Request[Any, Any, Any], runtime: ServingFacade, model: ModelInfo, body: bytes
+) -> tuple[InferRequest, Sequence[RequestedOutput], list[Answer]]:
+    """Decode (off the event loop), check the whole request against the queue, then submit every item."""
+    max_items = min(_max_items(request), model.queue_capacity)
+    decoded = await asyncio.to_thread(decode_request, body, request.headers.get(HEADER_LENGTH), max_items=max_items)
+    priority = router_priority(decoded.priority, model.priority_levels)
+    items = decoded.inputs[0].shape[0]
+    runtime.precheck(model.name, priority=priority, timeout_ms=decoded.timeout_ms, received_at=received_at(request),
+                     items=items)
     sig = signature(model.accepts)
-    return decoded, select_outputs(decoded, sig), to_payloads(decoded, model.name, sig)
+    outputs = select_outputs(decoded, sig)
+    payloads = await asyncio.to_thread(to_payloads, decoded, model.name, sig)
+    request.scope["state"]["access"] = {"model": model.name, "input_bytes": len(body), "items": len(payloads)}
+    answers = await _submit_all(runtime, model.name, payloads, priority, decoded.timeout_ms, received_at(request))
+    return decoded, outputs, answers
 
 
 async def _submit_all(
@@ -161,11 +170,14 @@ async def _submit_all(
     return [task.result() for task in tasks]
 
 
-
-
 def _body_limit(request: Request[Any, Any, Any]) -> int:
     limit = getattr(request.app, "request_max_body_size", None)
     return int(limit) if limit else DEFAULT_BODY_LIMIT
+
+
+def _max_items(request: Request[Any, Any, Any]) -> int:
+    """The configured cap on items in one request (MODEL_ROUTER_MAX_ITEMS)."""
+    return int(getattr(request.app.state, "max_items", DEFAULT_MAX_ITEMS))
 
 
 def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
@@ -175,7 +187,7 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
         return body
     wbits = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}.get(name)
     if wbits is None:
-        raise UnsupportedMediaType(f"Content-Encoding {encoding!r} is not supported; accepted: gzip, deflate, identity")
+        raise UnsupportedMediaType(f"Content-Encoding {brief(encoding, 40)} is not supported; accepted: gzip, deflate, identity")
     inflater = zlib.decompressobj(wbits)
     try:
         data = inflater.decompress(body, limit + 1)
@@ -206,13 +218,10 @@ async def repository_index(request: Request[Any, Any, Any]) -> list[dict[str, st
 def _ready_flag(body: bytes) -> bool:
     if not body.strip():
         return False
-    try:
-        parsed = json.loads(body)
-    except ValueError as exc:
-        raise InputError(f"the repository index request must be JSON like {{\"ready\": true}}: {exc}") from None
+    parsed = loads_bounded(body, "the repository index request", expected='JSON like {"ready": true}')
     ready = parsed.get("ready", False) if isinstance(parsed, dict) else None
     if not isinstance(ready, bool):
-        raise InputError(f"the repository index request must be JSON like {{\"ready\": true}}, got {body[:80]!r}")
+        raise InputError(f"the repository index request must be JSON like {{\"ready\": true}}, got {brief(body, 80)}")
     return ready
 
 
@@ -233,7 +242,7 @@ async def repository_unload(name: str, request: Request[Any, Any, Any]) -> Respo
 # -- errors and the router ------------------------------------------------------------------------
 
 
-def _v2_error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, str]]:
+def v2_error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, str]]:
     """Every error on a V2 route as `{"error": ...}`, with the status and headers `encode_error` maps."""
     mapped = encode_error(exc)
     if mapped is None:
@@ -247,6 +256,6 @@ v2_router = Router(
     path="/v2",
     route_handlers=[server_metadata, server_live, server_ready, model_metadata, model_ready, infer,
                     repository_index, repository_load, repository_unload],
-    exception_handlers={Exception: _v2_error_response},
+    exception_handlers={Exception: v2_error_response},
     tags=["Open Inference Protocol (V2)"],
 )

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from router.errors import InputError
+from router.errors import InputError, brief
 
 __all__ = [
     "DATATYPES",
@@ -55,15 +55,15 @@ def tensor_from_json(name: str, datatype: str, shape: tuple[int, ...], data: Any
     if datatype == "BYTES":
         elements = _flatten_strings(name, data)
         if len(elements) != count:
-            raise InputError(f"input {name!r}: shape {list(shape)} needs {count} elements, 'data' has {len(elements)}")
+            raise InputError(f"input {brief(name, 64)}: shape {list(shape)} needs {count} elements, 'data' has {len(elements)}")
         values = [_string_bytes(name, e, base64_bytes) for e in elements]
         return Tensor(name, datatype, shape, _object_array(values).reshape(shape))
     try:
         array = np.asarray(data)
     except (ValueError, TypeError):
-        raise InputError(f"input {name!r}: 'data' must be a flat or evenly nested list of numbers") from None
+        raise InputError(f"input {brief(name, 64)}: 'data' must be a flat or evenly nested list of numbers") from None
     if array.size != count:
-        raise InputError(f"input {name!r}: shape {list(shape)} needs {count} elements, 'data' has {array.size}")
+        raise InputError(f"input {brief(name, 64)}: shape {list(shape)} needs {count} elements, 'data' has {array.size}")
     if datatype.startswith(("INT", "UINT")):
         array = _python_ints(data, array)
     return Tensor(name, datatype, shape, _checked_numbers(name, datatype, array).reshape(shape))
@@ -71,7 +71,7 @@ def tensor_from_json(name: str, datatype: str, shape: tuple[int, ...], data: Any
 
 def _flatten_strings(name: str, data: Any) -> list[Any]:
     if not isinstance(data, list):
-        raise InputError(f"input {name!r}: BYTES 'data' must be a list of strings, got {type(data).__name__}")
+        raise InputError(f"input {brief(name, 64)}: BYTES 'data' must be a list of strings, got {type(data).__name__}")
     flat: list[Any] = []
     stack = [iter(data)]
     while stack:
@@ -87,20 +87,20 @@ def _flatten_strings(name: str, data: Any) -> list[Any]:
 
 def _string_bytes(name: str, element: Any, base64_bytes: bool) -> bytes:
     if not isinstance(element, str):
-        raise InputError(f"input {name!r}: BYTES elements must be strings, got {str(element)[:40]!r}")
+        raise InputError(f"input {brief(name, 64)}: BYTES elements must be strings, got {brief(element, 40)}")
     if not base64_bytes:
         return element.encode("utf-8")
     try:
         return base64.b64decode(element, validate=True)
     except binascii.Error as exc:
-        raise InputError(f"input {name!r}: content_type base64, but an element is not base64: {exc}") from None
+        raise InputError(f"input {brief(name, 64)}: content_type base64, but an element is not base64: {exc}") from None
 
 
 def _checked_numbers(name: str, datatype: str, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """The JSON numbers as the datatype, refusing wrong kinds and integers out of range."""
     if datatype == "BOOL":
         if array.size and array.dtype.kind != "b":
-            raise InputError(f"input {name!r}: BOOL data must be true or false")
+            raise InputError(f"input {brief(name, 64)}: BOOL data must be true or false")
         return array.astype(bool)
     target = np.dtype("<f4") if datatype == "BF16" else DATATYPES[datatype]
     assert target is not None
@@ -108,16 +108,16 @@ def _checked_numbers(name: str, datatype: str, array: np.ndarray[Any, Any]) -> n
         return array.astype(target)
     if target.kind == "f":
         if array.dtype.kind not in "iuf":
-            raise InputError(f"input {name!r}: {datatype} data must be numbers")
+            raise InputError(f"input {brief(name, 64)}: {datatype} data must be numbers")
         return array.astype(target)
     exact = array.dtype.kind == "O" and all(type(v) is int for v in array.flat)  # from _python_ints
     if array.dtype.kind not in "iu" and not exact:
-        raise InputError(f"input {name!r}: {datatype} data must be integers")
+        raise InputError(f"input {brief(name, 64)}: {datatype} data must be integers")
     info = np.iinfo(target)
     low, high = int(array.min()), int(array.max())
     if low < info.min or high > info.max:
         bad = low if low < info.min else high
-        raise InputError(f"input {name!r}: {bad} is out of range for {datatype} ({info.min}..{info.max})")
+        raise InputError(f"input {brief(name, 64)}: {bad} is out of range for {datatype} ({info.min}..{info.max})")
     return array.astype(target)
 
 
@@ -137,13 +137,13 @@ def tensor_from_binary(name: str, datatype: str, shape: tuple[int, ...], raw: by
     if datatype == "BYTES":
         values = bytes_from_binary(name, raw)
         if len(values) != count:
-            raise InputError(f"input {name!r}: shape {list(shape)} needs {count} elements, the binary data has {len(values)}")
+            raise InputError(f"input {brief(name, 64)}: shape {list(shape)} needs {count} elements, the binary data has {len(values)}")
         return Tensor(name, datatype, shape, _object_array(values).reshape(shape))
     dtype = np.dtype("<u2") if datatype == "BF16" else DATATYPES[datatype]
     assert dtype is not None
     if len(raw) != count * dtype.itemsize:
         raise InputError(
-            f"input {name!r}: shape {list(shape)} of {datatype} needs {count * dtype.itemsize} bytes, "
+            f"input {brief(name, 64)}: shape {list(shape)} of {datatype} needs {count * dtype.itemsize} bytes, "
             f"binary_data_size is {len(raw)}"
         )
     array = np.frombuffer(raw, dtype=dtype)
@@ -164,11 +164,11 @@ def bytes_from_binary(name: str, raw: bytes) -> list[bytes]:
     offset = 0
     while offset < len(raw):
         if offset + 4 > len(raw):
-            raise InputError(f"input {name!r}: truncated BYTES data: a length prefix is cut off at byte {offset}")
+            raise InputError(f"input {brief(name, 64)}: truncated BYTES data: a length prefix is cut off at byte {offset}")
         (length,) = struct.unpack_from("<I", raw, offset)
         offset += 4
         if offset + length > len(raw):
-            raise InputError(f"input {name!r}: truncated BYTES data: an element of {length} bytes runs past the end")
+            raise InputError(f"input {brief(name, 64)}: truncated BYTES data: an element of {length} bytes runs past the end")
         values.append(raw[offset:offset + length])
         offset += length
     return values

@@ -1,0 +1,172 @@
+"""The HTTP/1.1 connection: uvicorn's httptools protocol with bounds on what one client can make
+the server hold, or wait for, before a request reaches the app.
+
+uvicorn reads headers of any size and count, and has no timeout while a request's headers or body
+trickle in. This protocol refuses, at the connection and before any ASGI work:
+
+- request line and headers over `max_header_bytes`, or more than `max_headers` fields: 431;
+- headers not complete `header_timeout_s` after the connection opened or the request began: 408;
+- a body still arriving `body_timeout_s` (plus a grace second) after its headers: the connection
+  closes. The app answers 408 itself at `body_timeout_s` while it reads the body
+  (`router.http.app`); this is the backstop for a body nobody reads.
+
+Refusals are JSON like the app's errors (`{"error": ...}` under /v2), as is uvicorn's own 400 for
+a request it cannot parse. After a refusal the connection reads and discards for a short linger,
+so the client can read the answer before the connection closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+__all__ = ["HttpLimits", "guarded_protocol"]
+
+log = logging.getLogger("router.access")
+LINGER_S = 2.0
+BODY_GRACE_S = 1.0
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    max_header_bytes: int = 64 * 1024
+    max_headers: int = 100
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing; the protocol answers `status`."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    limits = HttpLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._reading = "idle"  # idle (between requests), headers, body
+        self._header_bytes = 0
+        self._header_count = 0
+        self._deadline: asyncio.TimerHandle | None = None
+        self._refusal: _Refused | None = None  # answered; the connection lingers, then closes
+        self._failed: _Refused | None = None  # raised in a parser callback, not yet answered
+
+    # -- the connection ---------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm(self.limits.header_timeout_s)  # the first request's headers, from the connection's opening
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        """uvicorn's, with the refusals and the header byte count."""
+        if self._refusal is not None:
+            return  # lingering after a refusal: discard
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError as exc:
+            refusal, self._failed = self._failed, None
+            self._refuse(refusal or _Refused(400, f"invalid HTTP request: {exc}"))
+            return
+        if self._reading == "headers":
+            # Bytes of headers not yet complete; counted here because httptools gathers a long
+            # header before any callback sees it.
+            self._header_bytes += len(data)
+            if self._header_bytes > self.limits.max_header_bytes:
+                self._refuse(_Refused(431, f"the request line and headers exceed {self.limits.max_header_bytes} bytes"))
+
+    # -- parser callbacks -------------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._reading = "headers"
+        self._header_bytes = self._header_count = 0
+        if self._deadline is None:
+            self._arm(self.limits.header_timeout_s)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self.limits.max_headers:
+            self._fail(_Refused(431, f"the request has more than {self.limits.max_headers} header fields"))
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > self.limits.max_header_bytes:
+            self._fail(_Refused(431, f"the request line and headers exceed {self.limits.max_header_bytes} bytes"))
+        self._reading = "body"
+        self._arm(self.limits.body_timeout_s + BODY_GRACE_S)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._reading = "idle"
+        self._disarm()
+        super().on_message_complete()
+
+    # -- refusals ---------------------------------------------------------------------------------
+
+    def _fail(self, refusal: _Refused) -> None:
+        """Stop parsing from inside a callback (httptools wraps the exception); answered in data_received."""
+        self._failed = refusal
+        raise refusal
+
+    def _refuse(self, refusal: _Refused) -> None:
+        """Answer `refusal` as JSON, stop reading requests, and close after a linger."""
+        self._refusal = refusal
+        self._disarm()
+        url = getattr(self, "url", b"")  # set when a request begins
+        log.info("request refused before the app", extra={"status": refusal.status, "detail": refusal.detail,
+                                                           "path": url[:256].decode("latin-1")})
+        key = "error" if url.startswith(b"/v2") else "detail"
+        body = json.dumps({key: refusal.detail}).encode()
+        head = [STATUS_LINE[refusal.status], b"content-type: application/json\r\n",
+                b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n"]
+        self.transport.write(b"".join(head) + body)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._deadline = self.loop.call_later(LINGER_S, self.transport.close)
+
+    # -- deadlines --------------------------------------------------------------------------------
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(seconds, self._on_deadline)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _on_deadline(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        if self._reading == "headers":
+            self._refuse(_Refused(408, f"the request headers did not arrive within {self.limits.header_timeout_s:g} s"))
+        else:  # a connection that never sent a request, or a body nobody finished reading
+            self.transport.close()
+
+
+def guarded_protocol(limits: HttpLimits) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class to give uvicorn (`Config(http=...)`), bound to `limits`."""
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})
