@@ -22,6 +22,7 @@ import functools
 import io
 import struct
 from dataclasses import dataclass
+from functools import cache
 from types import ModuleType
 from typing import Final, Literal
 
@@ -112,13 +113,31 @@ class OpenedImage:
         callers read the size from the array. Raises InputError for corrupt or truncated data."""
         if reduce not in (1, *_REDUCTIONS):
             raise ValueError(f"reduce must be 1, 2, 4 or 8, got {reduce}")
+        plain_jpeg = self.header.format == "JPEG" and self.header.mode in ("RGB", "L")
+        decoder = _simplejpeg()
+        if decoder is not None and plain_jpeg:
+            return self._decode_turbo(decoder, reduce, channels)
         cv2 = _cv2()
-        if cv2 is not None and self.header.format == "JPEG" and self.header.mode in ("RGB", "L"):
+        if cv2 is not None and plain_jpeg:
             return self._decode_opencv(cv2, reduce, channels)
         pixels = self._decode_pillow()
         if channels == "BGR":
             pixels = np.ascontiguousarray(pixels[:, :, ::-1])
         return pixels
+
+    def _decode_turbo(self, decoder: ModuleType, reduce: int, channels: Channels) -> np.ndarray:
+        """libjpeg-turbo through simplejpeg: the same pixels as OpenCV's decoder, in less than half
+        the time here, straight into the channel order asked for."""
+        stored = self._image.size  # (width, height) before orientation
+        expected = (-(-stored[1] // reduce), -(-stored[0] // reduce), 3)
+        try:
+            pixels = decoder.decode_jpeg(self._body, colorspace=channels, min_height=expected[0],
+                                         min_width=expected[1], min_factor=reduce, strict=True)
+        except ValueError as exc:
+            raise InputError(f"corrupt or truncated image data: {str(exc).strip()[:200]}") from None
+        if pixels.shape != expected:
+            raise InputError("corrupt or truncated image data: the JPEG data could not be decoded")
+        return _orient_array(pixels, self.header.orientation)
 
     def _decode_opencv(self, cv2: ModuleType, reduce: int, channels: Channels) -> np.ndarray:
         flags = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
@@ -297,6 +316,25 @@ def _cv2() -> ModuleType | None:
         return None
     cv2.setNumThreads(1)
     return cv2
+
+
+@cache
+def _simplejpeg() -> ModuleType | None:
+    """simplejpeg (libjpeg-turbo), when installed: the fastest exact JPEG decoder here."""
+    try:
+        import simplejpeg
+    except ImportError:
+        return None
+    return simplejpeg
+
+
+def _orient_array(pixels: np.ndarray, orientation: int) -> np.ndarray:
+    """Apply an EXIF orientation as Pillow's exif_transpose does, in numpy (C-contiguous out)."""
+    moves = {2: lambda p: p[:, ::-1], 3: lambda p: p[::-1, ::-1], 4: lambda p: p[::-1],
+             5: lambda p: p.transpose(1, 0, 2), 6: lambda p: np.rot90(p, -1), 7: lambda p: p[::-1, ::-1].transpose(1, 0, 2),
+             8: lambda p: np.rot90(p, 1)}
+    move = moves.get(orientation)
+    return pixels if move is None else np.ascontiguousarray(move(pixels))
 
 
 def _orient(cv2: ModuleType, pixels: np.ndarray, orientation: int) -> np.ndarray:
