@@ -325,7 +325,8 @@ def _simplejpeg() -> ModuleType | None:
         import simplejpeg
     except ImportError:
         return None
-    return simplejpeg
+    module: ModuleType = simplejpeg
+    return module
 
 
 def _orient_array(pixels: np.ndarray, orientation: int) -> np.ndarray:
