@@ -94,11 +94,18 @@ def measure(rounds: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     cv2.setNumThreads(1)
     payloads, results, shuffle = images(), {}, random.Random(0)
-    for plugin, runs in variants().items():
+    plan = variants()
+    # Warm every variant on every image before timing any: once a process has freed a large buffer,
+    # glibc serves buffers of that size from its heap instead of fresh mmap pages (as in a server,
+    # whose batches free megabytes all the time). Timed before that, Pillow's copies pay page faults
+    # (bus.jpg: 10-11 ms instead of 4-5), so which variant ran first would decide the figures.
+    for runs in plan.values():
+        for payload in payloads.values():
+            for run in runs.values():
+                run(payload)
+    for plugin, runs in plan.items():
         for name, payload in payloads.items():
             times: dict[str, list[float]] = {variant: [] for variant in runs}
-            for run in runs.values():
-                run(payload)  # warm-up
             for _ in range(rounds if "4032" not in name else max(3, rounds // 8)):
                 order = list(runs.items())
                 shuffle.shuffle(order)

@@ -38,11 +38,23 @@ def calibrate_batchnorm(network: Any, seed: int, *, side: int) -> None:
     With default initialisation the BatchNorm statistics (mean 0, variance 1) do not match the real
     activations: in YOLO they fade layer by layer until every score is about 1e-5, in ResNet one
     input-independent direction dominates the logits. Statistics measured on a few synthetic
-    images restore unit-scale, image-dependent activations.
+    images restore unit-scale, image-dependent activations. They are measured on one thread: the
+    sums come out a little differently with each thread count, and the checkpoint should not depend
+    on the machine (or the thread setting) that built it.
     """
     import torch
 
-    generator = torch.Generator().manual_seed(seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _calibrate(network, torch.Generator().manual_seed(seed), side)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _calibrate(network: Any, generator: Any, side: int) -> None:
+    import torch
+
     norms = [m for m in network.modules() if isinstance(m, torch.nn.BatchNorm2d)]
     momenta = [bn.momentum for bn in norms]
     for bn in norms:

@@ -3,11 +3,12 @@
 The eager `resnet` plugin and the engine plugins (`onnx`, `tensorrt`) share this code: the resize,
 centre crop and normalisation of torchvision's ImageNet ResNet weights, then softmax and top-k.
 
-The host pipeline: OpenCV decodes JPEGs (BGR, no conversion), torch's uint8 antialiased bilinear
+The host pipeline: libjpeg-turbo decodes JPEGs (BGR, no conversion), torch's uint8 antialiased bilinear
 kernel resizes the short side (the algorithm of the float reference, in fixed point: at most one
 level in 255 apart, tests/plugins/test_parity.py), and the channels are swapped during the
 normalisation of the 224 x 224 crop, the only float work. `decode: fast` lets libjpeg decode at
-1/2, 1/4 or 1/8 scale while the image stays at least the resize target; `device_decode` leaves
+1/2, 1/4 or 1/8 scale while the image stays at least the resize target, with its fast inverse DCT
+and upsampling; `device_decode` leaves
 JPEGs encoded for a batched decode, resize and normalisation on a CUDA device.
 """
 
@@ -27,7 +28,6 @@ from router.sdk import (
     Payload,
     PayloadTooLarge,
     open_image,
-    reduction_for,
 )
 from router.sdk.device_images import EncodedJpeg, decode_on_device, encoded_jpeg
 
@@ -91,8 +91,8 @@ class ClassifyProcessing:
         self.check_cost(image.header)
         if self.device_decode and (encoded := encoded_jpeg(image, payload.body)) is not None:
             return encoded
-        reduce = reduction_for(image.header, self.resize, self.resize) if self.decode_mode == "fast" else 1
-        bgr = image.decode(reduce=reduce, channels="BGR")
+        fit = (self.resize, self.resize) if self.decode_mode == "fast" else None
+        bgr = image.decode(channels="BGR", fit=fit)
         return self.normalise(self.resize_crop(torch.from_numpy(bgr).permute(2, 0, 1)), bgr=True)
 
     def check_cost(self, header: ImageHeader) -> None:

@@ -5,9 +5,10 @@ square letterbox on the CPU, the uint8 -> float conversion on the device, then u
 and the scaling of boxes back to the original image.
 
 The letterbox is ultralytics' `LetterBox` (same sizes, rounding, `INTER_LINEAR` resize and grey
-114 border), done without its copies: OpenCV decodes to BGR, the resize writes the image's three
+114 border), done without its copies: libjpeg-turbo decodes to BGR, the resize writes the image's three
 planes straight into the CHW canvas, reversing the channel order on the way. `decode: fast` lets
-libjpeg decode at 1/2, 1/4 or 1/8 scale while the long side stays at least `imgsz`;
+libjpeg decode at 1/2, 1/4 or 1/8 scale while the long side stays at least `imgsz`, with its fast
+inverse DCT and upsampling;
 `device_decode` leaves JPEGs encoded for a batched decode and letterbox on a CUDA device.
 """
 
@@ -22,7 +23,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from router.sdk import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_PIXELS, Payload, open_image, reduction_for
+from router.sdk import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_PIXELS, Payload, open_image
 from router.sdk.device_images import EncodedJpeg, decode_on_device, encoded_jpeg
 
 __all__ = ["DetectSettings", "Letterboxed", "Placement", "YoloProcessing", "check_class_ids", "offline"]
@@ -103,9 +104,9 @@ class YoloProcessing:
         header = image.header
         if self.device_decode and (encoded := encoded_jpeg(image, payload.body)) is not None:
             return Letterboxed(pixels=None, width=header.width, height=header.height, encoded=encoded)
-        reduce = reduction_for(header, 1, self.imgsz) if self.decode_mode == "fast" else 1
-        bgr = image.decode(reduce=reduce, channels="BGR")
-        height, width = bgr.shape[:2] if reduce == 1 else (header.height, header.width)
+        fit = (1, self.imgsz) if self.decode_mode == "fast" else None
+        bgr = image.decode(channels="BGR", fit=fit)
+        height, width = bgr.shape[:2] if fit is None else (header.height, header.width)  # full-size placement
         pixels = self._letterbox(bgr, Placement.fit(width, height, self.imgsz))
         return Letterboxed(pixels=torch.from_numpy(pixels), width=width, height=height)
 
