@@ -173,7 +173,7 @@ class ClusterRuntime:
     # -- requests -----------------------------------------------------------------------------
 
     def precheck(self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
-                 received_at: float | None = None, items: int = 1) -> None:
+                 received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> None:
         """Refuse what no replica could take, from the name and headers: unknown model, bad
         header, shutting down, no replica for the model, more items than its queue holds."""
         config = self._config(model)

@@ -99,6 +99,12 @@ async def _payload(request: Request[Any, Any, Any]) -> Payload:
     return payload
 
 
+def _announced_length(request: Request[Any, Any, Any]) -> int | None:
+    """The body's Content-Length, or None when it is not announced (chunked) or unreadable."""
+    value = request.headers.get("content-length")
+    return int(value) if value is not None and value.isdigit() else None
+
+
 # -- handlers -------------------------------------------------------------------------------------
 
 
@@ -109,7 +115,8 @@ async def predict(name: str, request: Request[Any, Any, Any]) -> Response[dict[s
     priority = _priority(request)
     timeout_ms = _number_header(request, "X-Timeout-Ms")
     # 404, 503 and header errors before the body is read: under a surge a refusal costs little.
-    runtime.precheck(name, priority=priority, timeout_ms=timeout_ms, received_at=received_at(request))
+    runtime.precheck(name, priority=priority, timeout_ms=timeout_ms, received_at=received_at(request),
+                     body_bytes=_announced_length(request))
     payload = await _payload(request)
     request.scope["state"]["access"] = {"model": name, "input_bytes": len(payload.body)}
     answer = await run_unless_disconnected(

@@ -14,7 +14,6 @@ import asyncio
 import gc
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -52,6 +51,8 @@ __all__ = ["Answer", "Runtime"]
 log = logging.getLogger("router.serving.runtime")
 T = TypeVar("T")
 ProbeFactory = Callable[[str, str], "MemoryProbe | None"]
+#: `precheck` leaves the wait prediction to `submit` for bodies announced at most this size.
+PRECHECK_WAIT_MIN_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -287,13 +288,15 @@ class Runtime:
 
     def precheck(
         self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
-        received_at: float | None = None, items: int = 1,
+        received_at: float | None = None, items: int = 1, body_bytes: int | None = None,
     ) -> None:
         """Refuse, from the model name and the request's headers alone, what `submit` would refuse
         before running anything (unknown model, bad header, shutting down, model not serving,
         queue full, predicted to miss its deadline), so that the caller need not read the body.
         With `items`, the queue must have room for all of them (a request that the queue can never
-        hold is 413). Takes nothing: `submit` decides again, item by item."""
+        hold is 413). A body announced as at most PRECHECK_WAIT_MIN_BYTES costs less to read than
+        the wait prediction, which `submit` makes anyway: for it that one is left to `submit`.
+        Takes nothing: `submit` decides again, item by item."""
         deployment = self._deployment(model)
         now = self.clock()
         started = now if received_at is None else min(received_at, now)
@@ -302,7 +305,8 @@ class Runtime:
             check_priority(deployment, priority)
             budget_s = check_timeout(deployment, timeout_ms) - (now - started)
             deployment.queue.check_room(now, items)
-            check_predicted_wait(deployment, budget_s, now, take_probe=False, device_free_at=self._free_at(now))
+            if body_bytes is None or body_bytes > PRECHECK_WAIT_MIN_BYTES:
+                check_predicted_wait(deployment, budget_s, now, take_probe=False, device_free_at=self._free_at(now))
         except RouterError as exc:
             self._count(deployment, outcome_of(exc), started)
             raise
@@ -448,17 +452,17 @@ class Runtime:
     async def _on_cpu(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on the CPU pool. Work whose request was answered (deadline, client gone) before a
         pool thread picked it up is skipped, not run for nobody."""
-        abandoned = threading.Event()
+        abandoned = [False]  # a flag, not a threading.Event: set on the loop, read once by the pool thread
 
         def unless_abandoned() -> T:
-            if abandoned.is_set():
+            if abandoned[0]:
                 raise asyncio.CancelledError
             return fn(*args)
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self._cpu, unless_abandoned)
         except BaseException:
-            abandoned.set()
+            abandoned[0] = True
             raise
 
     async def _hook(self, deployment: Deployment, hook: str, fn: Callable[..., T], *args: Any) -> T:
