@@ -55,9 +55,14 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
         for point in w.get("surge", []):
             statuses = ", ".join(f"{k}: {v}" for k, v in sorted(point["statuses"].items()))
             targets.append(_target(f"photo at 5x open loop, {point['start']} start: goodput / capacity",
-                                   _ratio(point["goodput_rps"], capacity), 0.8,
+                                   _ratio(point["goodput_rps"], capacity), 0.9,
                                    detail=f"goodput {point['goodput_rps']} rps, capacity {capacity} rps; {statuses}; "
                                           f"503 without Retry-After: {point['rejected_without_retry_after']}"))
+            rejected = point.get("rejected_ms", {}).get("p99")
+            targets.append(_target(f"photo at 5x open loop, {point['start']} start: refusal p99 (ms)", rejected, 10.0,
+                                   at_most=True,
+                                   detail=f"p50 {point.get('rejected_ms', {}).get('p50')} ms; server CPU per refusal "
+                                          f"at most {point.get('cpu_ms_per_refusal_at_most')} ms"))
         for plugin in ("resnet", "yolo"):
             cost = w.get("preprocess", {}).get(f"{plugin} bus.jpg")
             targets.append(_target(f"photo: {plugin} preprocessing of bus.jpg, before / after (one thread)",

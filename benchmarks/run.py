@@ -20,6 +20,8 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,8 +92,29 @@ def closed_runs(system: str, workload: Workload, store: Path, scratch: Path, pla
         sampler = RssSampler(server.process.pid)
         sampler.start()
         closed(server, target, 2, plan.warm_s)  # first requests pay for lazy imports
-        runs = {label: closed(server, target, concurrency, plan.closed_s) for label, concurrency in levels.items()}
+        runs = {}
+        for label, concurrency in levels.items():
+            with server_cpu(server) as cpu:
+                runs[label] = closed(server, target, concurrency, plan.closed_s)
+            answered = sum(runs[label]["statuses"].values())
+            runs[label]["server_cpu_ms_per_request"] = round(cpu.seconds * 1000 / max(1, answered), 3)
         return {"closed": runs, "peak_rss_mb": sampler.stop() >> 20}
+
+
+class _CpuSeconds:
+    seconds = 0.0
+
+
+@contextmanager
+def server_cpu(server: Server) -> Iterator[_CpuSeconds]:
+    """The server process's CPU time (user + system, all threads) spent inside the block."""
+    process, spent = psutil.Process(server.process.pid), _CpuSeconds()
+    before = process.cpu_times()
+    try:
+        yield spent
+    finally:
+        after = process.cpu_times()
+        spent.seconds = (after.user - before.user) + (after.system - before.system)
 
 
 def open_point(system: str, workload: Workload, store: Path, scratch: Path, plan: Plan,
@@ -105,18 +128,27 @@ def open_point(system: str, workload: Workload, store: Path, scratch: Path, plan
         sampler = RssSampler(server.process.pid)
         sampler.start()
         # The deadline travels with each request (the router honours it; the peers have no such notion).
-        report = loadgen(server, target, "--rate", f"{rate:.2f}", "--duration", str(plan.open_s),
-                         "--timeout", "3", "--header", f"X-Timeout-Ms:{int(DEADLINE_S * 1000)}")
+        with server_cpu(server) as cpu:
+            report = loadgen(server, target, "--rate", f"{rate:.2f}", "--duration", str(plan.open_s),
+                             "--timeout", "3", "--header", f"X-Timeout-Ms:{int(DEADLINE_S * 1000)}")
         report["peak_rss_mb"] = sampler.stop() >> 20
+        report["server_cpu_s"] = round(cpu.seconds, 3)
         return report
 
 
-def surge_points(workload: Workload, store: Path, scratch: Path, plan: Plan, capacity: float) -> list[dict[str, Any]]:
+def surge_points(workload: Workload, store: Path, scratch: Path, plan: Plan, capacity: float,
+                 cpu_ms_per_answer: float) -> list[dict[str, Any]]:
     """5x the router's capacity, open loop, 1 s deadline: on a server that has just become ready
-    (cold), and on one warmed first by closed-loop traffic at saturation (warm)."""
+    (cold), and on one warmed first by closed-loop traffic at saturation (warm). The server's CPU
+    time per refusal is bounded from above: the surge's CPU time less `cpu_ms_per_answer` (from
+    the closed loop at saturation) for each 200, over the 503s (the 504s' work is left in)."""
     points = []
     for label, concurrency in (("cold", 0), ("warm", 16)):
         report = open_point("router", workload, store, scratch, plan, 5 * capacity, concurrency, plan.closed_s)
+        refused = report["statuses"].get("503", 0)
+        if refused:
+            spent_ms = report["server_cpu_s"] * 1000 - cpu_ms_per_answer * report["statuses"].get("200", 0)
+            report["cpu_ms_per_refusal_at_most"] = round(max(0.0, spent_ms) / refused, 3)
         points.append({"start": label, "multiple": 5.0, "offered_rps": round(5 * capacity, 2), **report})
         print(f"[{workload.name}] router surge 5x, {label} start: {_brief({'': report})}", flush=True)
     return points
@@ -142,7 +174,8 @@ def run_workload(workload: Workload, store: Path, scratch: Path, plan: Plan, swe
             out["systems"][system]["open"] = points
     if workload.name == "photo":
         out["capacity_rps"] = out["systems"]["router"]["closed"]["saturation"]["throughput_rps"]
-        out["surge"] = surge_points(workload, store, scratch, plan, out["capacity_rps"])
+        out["surge"] = surge_points(workload, store, scratch, plan, out["capacity_rps"],
+                                    out["systems"]["router"]["closed"]["saturation"]["server_cpu_ms_per_request"])
         out["preprocess"] = preprocess_costs(plan)
         print(f"[photo] preprocessing, one thread: {out['preprocess']}", flush=True)
         from benchmarks.fleets import four_models  # it uses this module's load generator

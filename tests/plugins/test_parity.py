@@ -33,7 +33,7 @@ from tests.plugins.test_yolo import assert_same_detections
 EXIF_ORIENTATION = 0x0112
 LEVEL = 1 / 255 / min(0.229, 0.224, 0.225)  # one uint8 level after normalisation
 EXACT_MAX, EXACT_MEAN = LEVEL + 1e-5, 0.2 * LEVEL
-FAST_MAX, FAST_MEAN = 0.7, 0.02  # decode: fast measured 0.56 and 0.008 on these images (README: "host pipeline")
+FAST_MAX, FAST_MEAN = 0.7, 0.02  # decode: fast measured 0.61 and 0.014 on these images (README: "host pipeline")
 YOLO_CONF = 0.25
 TIE = 0.01  # reference probabilities closer than this may trade places in the top-5
 
