@@ -41,6 +41,7 @@ from router.errors import (
 from router.sdk.plugin import Payload
 from router.serving.changes import ReloadReport
 from router.serving.fleet import UnloadReport
+from router.serving.inflight import InFlight
 from router.serving.runtime import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
 from router.serving.telemetry import Telemetry, TelemetryFanout
@@ -90,9 +91,7 @@ class ClusterRuntime:
         self.requests: dict[str, Counter[str]] = {m: Counter() for m in fleet.models}
         self.cold: Counter[str] = Counter()
         self.retries: Counter[str] = Counter()
-        self._inflight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._inflight = InFlight()
         self._draining = False
         self._refresher: asyncio.Task[None] | None = None
 
@@ -130,7 +129,7 @@ class ClusterRuntime:
 
     @property
     def in_flight(self) -> int:
-        return self._inflight
+        return self._inflight.count
 
     def begin_drain(self) -> None:
         self._draining = True
@@ -139,9 +138,9 @@ class ClusterRuntime:
         """Refuse new requests; wait for those in flight (the replicas answer every one)."""
         self.begin_drain()
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            await self._inflight.until_idle(timeout_s)
         except TimeoutError:
-            log.warning("drain timeout with %d request(s) in flight", self._inflight)
+            log.warning("drain timeout with %d request(s) in flight", self._inflight.count)
 
     async def stop(self) -> None:
         if self._refresher is not None:
@@ -208,23 +207,10 @@ class ClusterRuntime:
                      request_id: str | None = None, received_at: float | None = None) -> Answer:
         config = self._config(model)
         started = self.clock() if received_at is None else min(received_at, self.clock())
-        outcome = "error"
-        self._inflight += 1
-        self._idle.clear()
-        try:
+        with self._inflight.request(lambda outcome: self._count(model, outcome, started)):
             budget_s = self._check(model, config, priority, timeout_ms)
-            answer = await self._route(model, config, payload, priority, request_id or uuid.uuid4().hex,
-                                       started + budget_s)
-            outcome = "ok"
-            return answer
-        except (RouterError, asyncio.CancelledError) as exc:
-            outcome = outcome_of(exc)
-            raise
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
-            self._count(model, outcome, started)
+            return await self._route(model, config, payload, priority, request_id or uuid.uuid4().hex,
+                                     started + budget_s)
 
     async def _route(self, model: str, config: ModelConfig, payload: Payload, priority: int | None, request_id: str,
                      deadline: float) -> Answer:

@@ -39,6 +39,7 @@ from router.serving.changes import FleetChanges, ReloadReport
 from router.serving.checks import check_answer, check_media_type, check_predicted_wait, check_priority, check_timeout
 from router.serving.deployment import Deployment, find_deployment
 from router.serving.fleet import Fleet, UnloadReport
+from router.serving.inflight import InFlight
 from router.serving.instance import ModelInstance
 from router.serving.isolation import RemotePlugin
 from router.serving.loading import load_deployment
@@ -90,9 +91,7 @@ class Runtime:
         self._device_errors: dict[str, str] = {}
         self._deployments: dict[str, Deployment] = {}
         self._tickets: set[Ticket] = set()
-        self._inflight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._inflight = InFlight()
         self._draining = False
         self._closed = False
         self._load_task: asyncio.Task[None] | None = None
@@ -176,7 +175,7 @@ class Runtime:
     @property
     def in_flight(self) -> int:
         """Requests inside `submit` now."""
-        return self._inflight
+        return self._inflight.count
 
     # -- operators' changes ---------------------------------------------------------------------
 
@@ -244,15 +243,15 @@ class Runtime:
     def begin_drain(self) -> None:
         """From now on refuse new requests (503) and report not ready; queued work goes on."""
         if not self._draining:
-            log.info("draining: new requests are refused; %d request(s) in flight", self._inflight)
+            log.info("draining: new requests are refused; %d request(s) in flight", self._inflight.count)
         self._draining = True
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new work, let queued and running work finish, then answer whatever is left with 503."""
         self.begin_drain()
-        log.info("drain: waiting up to %.1fs for %d request(s)", timeout_s, self._inflight)
+        log.info("drain: waiting up to %.1fs for %d request(s)", timeout_s, self._inflight.count)
         try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            await self._inflight.until_idle(timeout_s)
         except TimeoutError:
             log.warning("drain timeout: answering %d remaining request(s) with 503", len(self._tickets))
         self._closed = True
@@ -261,9 +260,9 @@ class Runtime:
                 deployment.queue.withdraw(ticket)
             reject(ticket, ShuttingDown("server is shutting down"))
         try:
-            await asyncio.wait_for(self._idle.wait(), 5.0)
+            await self._inflight.until_idle(5.0)
         except TimeoutError:
-            log.error("%d request(s) still in flight after drain", self._inflight)
+            log.error("%d request(s) still in flight after drain", self._inflight.count)
 
     async def stop(self) -> None:
         if self._load_task is not None and not self._load_task.done():
@@ -330,22 +329,10 @@ class Runtime:
         deployment = self._deployment(model)
         request_id = request_id or uuid.uuid4().hex
         started = self.clock() if received_at is None else min(received_at, self.clock())
-        outcome = "error"
-        self._inflight += 1
-        self._idle.clear()
-        try:
+        with self._inflight.request(lambda outcome: self._count(deployment, outcome, started)):
             answer = await self._submit(deployment, payload, priority, timeout_ms, request_id, started)
-            outcome = "ok"
             self.telemetry.observe_answer(deployment.name, self.clock() - started, check_timeout(deployment, timeout_ms))
             return answer
-        except (RouterError, asyncio.CancelledError) as exc:
-            outcome = outcome_of(exc)
-            raise
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
-            self._count(deployment, outcome, started)
 
     async def _submit(
         self, deployment: Deployment, payload: Payload, priority: int | None,

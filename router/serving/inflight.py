@@ -1,0 +1,44 @@
+"""Requests being answered: their count, the outcome each one ends with, and a wait for none.
+
+The single-process runtime and the cluster front both count their requests this way: a drain
+waits until none is in flight, and every request ends with exactly one outcome counted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from router.errors import RouterError, outcome_of
+
+__all__ = ["InFlight"]
+
+
+class InFlight:
+    def __init__(self) -> None:
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextmanager
+    def request(self, ended: Callable[[str], None]) -> Iterator[None]:
+        """One request in flight for the block; then `ended(outcome)`: "ok", the outcome of the
+        RouterError or cancellation that left the block, or "error" for anything else."""
+        outcome = "error"
+        self.count += 1
+        self._idle.clear()
+        try:
+            yield
+            outcome = "ok"
+        except (RouterError, asyncio.CancelledError) as exc:
+            outcome = outcome_of(exc)
+            raise
+        finally:
+            self.count -= 1
+            if self.count == 0:
+                self._idle.set()
+            ended(outcome)
+
+    async def until_idle(self, timeout_s: float) -> None:
+        """Return once no request is in flight; TimeoutError after `timeout_s`."""
+        await asyncio.wait_for(self._idle.wait(), timeout_s)
