@@ -9,12 +9,11 @@ once the requests of a burst have finished. Elsewhere than glibc it is a no-op.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import logging
-import sys
 import time
 from collections.abc import Callable
+
+from router.serving.memory import malloc_trim
 
 __all__ = ["BodyMemory", "malloc_trim"]
 
@@ -22,28 +21,6 @@ log = logging.getLogger("router.http.memory")
 TRIM_AFTER_BYTES = 64 * 1024 * 1024
 CHECK_INTERVAL_S = 1.0
 BUSY_TRIM_INTERVAL_S = 10.0
-
-
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim: Callable[[int], int] = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        return None
-    return trim
-
-
-_MALLOC_TRIM = _load_malloc_trim()
-
-
-def malloc_trim() -> bool:
-    """Return the allocator's free memory to the system; False where that is not possible."""
-    if _MALLOC_TRIM is None:
-        return False
-    _MALLOC_TRIM(0)
-    return True
 
 
 class BodyMemory:

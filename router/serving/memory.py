@@ -6,21 +6,31 @@ import ctypes
 import ctypes.util
 import gc
 import sys
+from collections.abc import Callable
 from functools import cache
 
-__all__ = ["give_back_memory"]
+__all__ = ["give_back_memory", "malloc_trim"]
 
 
 @cache
-def _malloc_trim() -> object | None:
+def _libc_malloc_trim() -> Callable[[int], int] | None:
     """glibc's malloc_trim, or None elsewhere (musl, macOS)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
+    if not sys.platform.startswith("linux"):
         return None
     try:
-        return getattr(ctypes.CDLL(name), "malloc_trim", None)
-    except OSError:
+        trim: Callable[[int], int] = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
         return None
+    return trim
+
+
+def malloc_trim() -> bool:
+    """Return the allocator's free memory to the system; False where that is not possible."""
+    trim = _libc_malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 def give_back_memory(device: str) -> None:
@@ -31,6 +41,4 @@ def give_back_memory(device: str) -> None:
     torch = sys.modules.get("torch")
     if device.startswith("cuda") and torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)  # type: ignore[operator]
+    malloc_trim()
