@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from router.errors import InputError, PayloadTooLarge, RouterError, UnsupportedMediaType
+from router.sdk import images
 from router.sdk.images import (
     ACCEPTED_MEDIA_TYPES,
     ImageHeader,
@@ -275,11 +276,19 @@ def test_image_size_reads_only_the_header() -> None:
     assert image_size(b"not an image") is None
 
 
-# --- the fast path: OpenCV for JPEG, orientation, DCT reduction, channel order, aspect ratio ----
+# --- the fast path: libjpeg-turbo (or OpenCV) for JPEG, orientation, DCT reduction, channel order --
+
+
+@pytest.fixture(params=["simplejpeg", "opencv"])
+def jpeg_decoder(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each JPEG decoder in turn: simplejpeg, and OpenCV as where simplejpeg is not installed."""
+    if request.param == "opencv":
+        monkeypatch.setattr(images, "_simplejpeg", lambda: None)
+    return str(request.param)
 
 
 @pytest.mark.parametrize("orientation", range(1, 9))
-def test_every_exif_orientation_of_a_jpeg_matches_pillows_transpose(orientation: int) -> None:
+def test_every_exif_orientation_of_a_jpeg_matches_pillows_transpose(orientation: int, jpeg_decoder: str) -> None:
     from PIL import ImageOps
 
     exif = Image.Exif()
@@ -292,7 +301,7 @@ def test_every_exif_orientation_of_a_jpeg_matches_pillows_transpose(orientation:
 
 
 @pytest.mark.parametrize("mode", ["RGB", "L"])
-def test_opencv_and_pillow_decode_a_jpeg_to_the_same_pixels(mode: str) -> None:
+def test_the_jpeg_decoders_and_pillow_decode_a_jpeg_to_the_same_pixels(mode: str, jpeg_decoder: str) -> None:
     body = encode(Image.fromarray(photo(97, 61)).convert(mode), "JPEG", quality=90)
     expected = np.asarray(Image.open(io.BytesIO(body)).convert("RGB"))
     np.testing.assert_array_equal(decode_image(Payload(body, "image/jpeg")), expected)
@@ -300,7 +309,7 @@ def test_opencv_and_pillow_decode_a_jpeg_to_the_same_pixels(mode: str) -> None:
 
 
 @pytest.mark.parametrize("reduce", [2, 4, 8])
-def test_a_reduced_jpeg_decode_has_the_sides_rounded_up_and_png_ignores_it(reduce: int) -> None:
+def test_a_reduced_jpeg_decode_has_the_sides_rounded_up_and_png_ignores_it(reduce: int, jpeg_decoder: str) -> None:
     jpeg = open_image(Payload(encode(Image.fromarray(photo(203, 101)), "JPEG"), "image/jpeg"))
     assert jpeg.decode(reduce=reduce).shape == (-(-101 // reduce), -(-203 // reduce), 3)
     png = open_image(Payload(encode(Image.fromarray(photo(203, 101)), "PNG"), "image/png"))

@@ -159,7 +159,7 @@ class OpenedImage:
         expected = (-(-stored[1] // reduce), -(-stored[0] // reduce), 3)
         if pixels is None or pixels.shape != expected:
             raise InputError("corrupt or truncated image data: the JPEG data could not be decoded")
-        pixels = _orient(cv2, pixels, self.header.orientation)
+        pixels = _orient_array(pixels, self.header.orientation)
         if channels == "RGB":
             cv2.cvtColor(pixels, cv2.COLOR_BGR2RGB, dst=pixels)
         return np.asarray(pixels)
@@ -316,6 +316,7 @@ def _other_format(body: bytes) -> str | None:
 
 
 @functools.cache
+@cache
 def _cv2() -> ModuleType | None:
     """OpenCV, when installed (the bundled vision plugins depend on it); imported on first use,
     single-threaded: decoding runs one image per thread of the CPU pool, which is the parallelism."""
@@ -345,25 +346,6 @@ def _orient_array(pixels: np.ndarray, orientation: int) -> np.ndarray:
              8: lambda p: np.rot90(p, 1)}
     move = moves.get(orientation)
     return pixels if move is None else np.ascontiguousarray(move(pixels))
-
-
-def _orient(cv2: ModuleType, pixels: np.ndarray, orientation: int) -> np.ndarray:
-    """Apply an EXIF orientation as Pillow's exif_transpose does."""
-    if orientation == 2:
-        return np.asarray(cv2.flip(pixels, 1))
-    if orientation == 3:
-        return np.asarray(cv2.rotate(pixels, cv2.ROTATE_180))
-    if orientation == 4:
-        return np.asarray(cv2.flip(pixels, 0))
-    if orientation == 5:
-        return np.asarray(cv2.transpose(pixels))
-    if orientation == 6:
-        return np.asarray(cv2.rotate(pixels, cv2.ROTATE_90_CLOCKWISE))
-    if orientation == 7:
-        return np.asarray(cv2.flip(cv2.transpose(pixels), -1))
-    if orientation == 8:
-        return np.asarray(cv2.rotate(pixels, cv2.ROTATE_90_COUNTERCLOCKWISE))
-    return pixels
 
 
 def _to_rgb_array(image: Image.Image) -> np.ndarray:
