@@ -6,23 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from router.cli import build_plan
 from router.errors import ModelDoesNotFit, ModelNotFound, ModelUnavailable, RouterError
 from router.sdk import Payload
 from router.serving.runtime import Answer, Runtime
 from tests.conftest import REPO, read_records
-
-
-def ask(ident: str) -> Payload:
-    return Payload(json.dumps({"id": ident}).encode(), "application/json")
+from tests.test_runtime import ask, make_runtime
+from tests.test_runtime import running as running_runtime
 
 
 def scripted(name: str, *, residency: str = "on_demand", weights_mb: int = 10, extra: str = "", record: Path | None = None,
@@ -37,18 +33,9 @@ def fleet(*models: str, budget_mb: int = 25) -> str:
     return f"devices:\n  cpu: {{probe: none, memory_budget: {budget_mb}MB}}\nmodels:\n" + "".join(models)
 
 
-@asynccontextmanager
-async def running(tmp_path: Path, text: str) -> AsyncIterator[Runtime]:
-    path = tmp_path / "fleet.yaml"
-    path.write_text(text, encoding="utf-8")
-    runtime = Runtime(build_plan(path))
-    await runtime.start()
-    await runtime.wait_loaded()
-    try:
-        yield runtime
-    finally:
-        await runtime.drain(2.0)
-        await runtime.stop()
+def running(tmp_path: Path, text: str) -> AbstractAsyncContextManager[Runtime]:
+    """The fleet `text` started and loaded for the block, drained and stopped after it."""
+    return running_runtime(make_runtime(tmp_path, text))
 
 
 async def test_an_on_demand_model_loads_with_its_first_request_and_32_first_requests_start_one_load(
