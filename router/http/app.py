@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,9 +19,12 @@ from litestar.types import ASGIApp, Message, Receive, ReceiveMessage, Scope, Sen
 
 from router import __version__
 from router.errors import ClientDisconnected, InputError, RequestTimeout, RouterError, brief, clip
+from router.http.access import access_line
 from router.http.admin import ADMIN_ROUTES
 from router.http.auth import Access, AccessPolicy, access_guard
 from router.http.disconnect import run_unless_disconnected
+from router.http.headers import announced_length, number_header, priority_header
+from router.http.headers import request_id as incoming_or_new
 from router.http.kserve.routes import v2_error_response, v2_router
 from router.http.memory import BodyMemory
 from router.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -37,35 +38,11 @@ from router.serving.facade import ServingFacade
 __all__ = ["create_app"]
 
 log = logging.getLogger("router.access")
-REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-MODEL_PATH = re.compile(r"^/models/([^/]+)")
-#: A decimal number as people write it: no '1_0', no 'inf', no hex.
-DECIMAL = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
-INTEGER = re.compile(r"^[+-]?\d{1,6}$")
 #: Predict takes one file; a form of many parts is refused before they are all parsed.
 MULTIPART_PART_LIMIT = 16
 
 
 # -- request decoding -----------------------------------------------------------------------------
-
-
-def _number_header(request: Request[Any, Any, Any], name: str) -> float | None:
-    raw = request.headers.get(name)
-    if raw is None:
-        return None
-    value = float(raw.strip()) if DECIMAL.match(raw.strip()) else math.nan
-    if not math.isfinite(value):
-        raise InputError(f"{name} must be a number, like 500 or 2.5, got {brief(raw, 40)}")
-    return value
-
-
-def _priority(request: Request[Any, Any, Any]) -> int | None:
-    raw = request.headers.get("X-Priority")
-    if raw is None:
-        return None
-    if not INTEGER.match(raw.strip()):
-        raise InputError(f"X-Priority must be an integer, got {brief(raw, 40)}")
-    return int(raw.strip())
 
 
 async def _form(request: Request[Any, Any, Any]) -> Any:
@@ -99,12 +76,6 @@ async def _payload(request: Request[Any, Any, Any]) -> Payload:
     return payload
 
 
-def _announced_length(request: Request[Any, Any, Any]) -> int | None:
-    """The body's Content-Length, or None when it is not announced (chunked) or unreadable."""
-    value = request.headers.get("content-length")
-    return int(value) if value is not None and value.isdigit() else None
-
-
 # -- handlers -------------------------------------------------------------------------------------
 
 
@@ -112,11 +83,11 @@ def _announced_length(request: Request[Any, Any, Any]) -> int | None:
 async def predict(name: str, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Accepts a multipart field `file` or a raw `image/*` body. Headers: X-Timeout-Ms, X-Priority."""
     runtime = runtime_of(request)
-    priority = _priority(request)
-    timeout_ms = _number_header(request, "X-Timeout-Ms")
+    priority = priority_header(request.headers.get("x-priority"))
+    timeout_ms = number_header("X-Timeout-Ms", request.headers.get("x-timeout-ms"))
     # 404, 503 and header errors before the body is read: under a surge a refusal costs little.
     runtime.precheck(name, priority=priority, timeout_ms=timeout_ms, received_at=received_at(request),
-                     body_bytes=_announced_length(request))
+                     body_bytes=announced_length(request.headers.get("content-length")))
     payload = await _payload(request)
     request.scope["state"]["access"] = {"model": name, "input_bytes": len(payload.body)}
     answer = await run_unless_disconnected(
@@ -208,7 +179,7 @@ def request_id_middleware(app: ASGIApp, *, body_timeout_s: float, memory: BodyMe
             await app(scope, receive, send)
             return
         incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        request_id = incoming if REQUEST_ID_PATTERN.match(incoming) else uuid.uuid4().hex
+        request_id = incoming_or_new(incoming, uuid.uuid4().hex)
         token = request_id_var.set(request_id)
         mark_received(scope)
         started = time.perf_counter()
@@ -262,16 +233,7 @@ def _read_body_by(receive: Receive, timeout_s: float, memory: BodyMemory | None)
 
 
 def _access_line(scope: Scope, status: int, seconds: float) -> None:
-    path = scope.get("path", "")
-    if path in ("/metrics", "/health/live", "/health/ready", "/ui/state"):  # polled: not worth a line each
-        return
-    fields: dict[str, Any] = {"method": scope.get("method"), "path": path[:256], "status": status or 499,
-                              "duration_ms": round(seconds * 1000, 3)}
-    match = MODEL_PATH.match(path)
-    if match:
-        fields["model"] = match.group(1)[:64]
-    fields.update(scope.get("state", {}).get("access", {}))
-    log.info("request", extra=fields)
+    access_line(str(scope.get("method")), scope.get("path", ""), status, seconds, scope.get("state", {}).get("access"))
 
 
 # -- the app --------------------------------------------------------------------------------------

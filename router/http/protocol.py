@@ -13,6 +13,11 @@ trickle in. This protocol refuses, at the connection and before any ASGI work:
 Refusals are JSON like the app's errors (`{"error": ...}` under /v2), as is uvicorn's own 400 for
 a request it cannot parse. After a refusal the connection reads and discards for a short linger,
 so the client can read the answer before the connection closes.
+
+A `screen` (`router.http.early`) may answer a request from its request line and headers alone:
+the connection writes that `EarlyAnswer`, discards the request's body as it arrives and stays
+open for the next request, and the app never sees the request. Only a request on an idle
+connection is screened, so answers keep the order of pipelined requests.
 """
 
 from __future__ import annotations
@@ -20,13 +25,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
-__all__ = ["HttpLimits", "guarded_protocol"]
+__all__ = ["EarlyAnswer", "HttpLimits", "Screen", "guarded_protocol"]
 
 log = logging.getLogger("router.access")
 LINGER_S = 2.0
@@ -41,6 +47,19 @@ class HttpLimits:
     body_timeout_s: float = 60.0
 
 
+@dataclass(frozen=True)
+class EarlyAnswer:
+    """A whole response the connection writes itself, before the app would have seen the request."""
+
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...]  # besides content-length, date and server
+    body: bytes
+
+
+#: (method, URL as sent, headers with lower-case names) -> the answer, or None to go on to the app.
+Screen = Callable[[bytes, bytes, Sequence[tuple[bytes, bytes]]], EarlyAnswer | None]
+
+
 class _Refused(Exception):
     """Raised from a parser callback to stop parsing; the protocol answers `status`."""
 
@@ -51,6 +70,7 @@ class _Refused(Exception):
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     limits = HttpLimits()
+    screen: Screen | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -126,12 +146,56 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._fail(_Refused(431, f"the request line and headers exceed {self.limits.max_header_bytes} bytes"))
         self._reading = "body"
         self._arm(self.limits.body_timeout_s + BODY_GRACE_S)
+        answer = self._screened()
+        if answer is not None:
+            self._answer_early(answer)
+            return
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._reading = "idle"
         self._disarm()
         super().on_message_complete()
+
+    # -- answers before the app --------------------------------------------------------------------
+
+    def _screened(self) -> EarlyAnswer | None:
+        """The screen's answer for a request on an idle connection (none pipelined before it)."""
+        if self.screen is None or (self.cycle is not None and not self.cycle.response_complete):
+            return None
+        if self.parser.should_upgrade():
+            return None
+        try:
+            return self.screen(self.parser.get_method(), self.url, self.headers)
+        except Exception:  # the app decides instead: a screen's bug must not cost the request
+            log.exception("the early refusal screen failed; the app answers this request")
+            return None
+
+    def _answer_early(self, answer: EarlyAnswer) -> None:
+        """Write `answer` and take the request as answered: uvicorn discards the body of an answered
+        request as it arrives. The connection stays open unless the client asked to close it or sent
+        `Expect: 100-continue` (it may then send no body, so its next bytes could not be told apart)."""
+        keep_alive = (self.parser.get_http_version() == "1.1" and self.parser.should_keep_alive()
+                      and not self.expect_100_continue)
+        cycle = RequestResponseCycle(
+            scope=self.scope, transport=self.transport, flow=self.flow, logger=self.logger,
+            access_logger=self.access_logger, access_log=self.access_log,
+            default_headers=self.server_state.default_headers, message_event=asyncio.Event(),
+            expect_100_continue=False, keep_alive=keep_alive, on_response=self.on_response_complete,
+        )
+        cycle.response_started = cycle.response_complete = True
+        self.cycle = cycle
+        head = [STATUS_LINE[answer.status]]
+        head += [b"%s: %s\r\n" % field for field in (*self.server_state.default_headers, *answer.headers)]
+        head.append(b"content-length: %d\r\n" % len(answer.body))
+        if not keep_alive:
+            head.append(b"connection: close\r\n")
+        self.transport.write(b"".join(head) + b"\r\n" + answer.body)
+        if keep_alive:
+            self.on_response_complete()
+        else:
+            self._refusal = _Refused(answer.status, "answered before the app; closing")
+            self._close_after_linger()
 
     # -- refusals ---------------------------------------------------------------------------------
 
@@ -152,6 +216,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         head = [STATUS_LINE[refusal.status], b"content-type: application/json\r\n",
                 b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n"]
         self.transport.write(b"".join(head) + body)
+        self._close_after_linger()
+
+    def _close_after_linger(self) -> None:
+        """Stop sending, read and discard a while (so the client reads the answer), then close."""
+        self._disarm()
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self._linger = self.loop.call_later(LINGER_S, self.transport.close)
@@ -189,6 +258,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
-def guarded_protocol(limits: HttpLimits) -> type[GuardedHttpToolsProtocol]:
-    """The protocol class to give uvicorn (`Config(http=...)`), bound to `limits`."""
-    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits})
+def guarded_protocol(limits: HttpLimits, screen: Screen | None = None) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class to give uvicorn (`Config(http=...)`), bound to `limits` and `screen`."""
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits, "screen": None if screen is None else staticmethod(screen)})

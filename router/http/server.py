@@ -13,6 +13,7 @@ import uvicorn
 from litestar import Litestar
 
 from router.config import ServerSettings
+from router.http.early import EarlyRefusals
 from router.http.protocol import HttpLimits, guarded_protocol
 from router.serving.facade import ServingFacade
 
@@ -76,11 +77,12 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(app: Litestar, runtime: ServingFacade, settings: ServerSettings) -> None:
     """Serve `app` until a signal: HTTP/1.1 with the header, count and read-time limits of the
-    settings (`router.http.protocol`), at most `max_connections` connections and running requests."""
+    settings (`router.http.protocol`), at most `max_connections` connections and running requests,
+    and predict requests that will be refused answered from their headers (`router.http.early`)."""
     limits = HttpLimits(max_header_bytes=settings.max_header_bytes, max_headers=settings.max_headers,
                         header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
-                            timeout_graceful_shutdown=5, access_log=False, http=guarded_protocol(limits),
+                            timeout_graceful_shutdown=5, access_log=False, http=guarded_protocol(limits, EarlyRefusals(runtime, app.state.access_policy)),
                             ws="none", timeout_keep_alive=settings.keep_alive_s,
                             limit_concurrency=settings.max_connections)
     server = DrainingServer(config, runtime, settings.drain_timeout_s)
