@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -154,6 +155,23 @@ def surge_points(workload: Workload, store: Path, scratch: Path, plan: Plan, cap
     return points
 
 
+def refusal_cost(workload: Workload, store: Path, scratch: Path, plan: Plan, concurrency: int = 8) -> dict[str, Any]:
+    """The server's CPU time per 503, measured alone: the model unloaded by the operator (`POST
+    /models/<name>/unload`), so every predict is refused from its headers, closed loop with the
+    workload's real bodies."""
+    target = request_target("router", workload, scratch)
+    with serve("router", workload, store, scratch) as server:
+        unload = urllib.request.Request(f"{server.url}/models/{workload.name}/unload", data=b"", method="POST")
+        with urllib.request.urlopen(unload, timeout=60) as answer:
+            answer.read()
+        closed(server, target, 2, plan.warm_s)
+        with server_cpu(server) as cpu:
+            report = closed(server, target, concurrency, plan.closed_s)
+    refused = report["statuses"].get("503", 0)
+    return {"concurrency": concurrency, "statuses": report["statuses"], "refusals_per_s": round(refused / plan.closed_s),
+            "server_cpu_ms_per_refusal": round(cpu.seconds * 1000 / max(1, refused), 3)}
+
+
 def run_workload(workload: Workload, store: Path, scratch: Path, plan: Plan, sweep: bool) -> dict[str, Any]:
     levels = {"resnet18": {"saturation": 16}, "photo": {"saturation": 16}, "accelerator": {"saturation": 128},
               "tiny": {"c1": 1, "saturation": 32}}[workload.name]
@@ -176,6 +194,8 @@ def run_workload(workload: Workload, store: Path, scratch: Path, plan: Plan, swe
         out["capacity_rps"] = out["systems"]["router"]["closed"]["saturation"]["throughput_rps"]
         out["surge"] = surge_points(workload, store, scratch, plan, out["capacity_rps"],
                                     out["systems"]["router"]["closed"]["saturation"]["server_cpu_ms_per_request"])
+        out["refusal_cost"] = refusal_cost(workload, store, scratch, plan)
+        print(f"[photo] refusals alone: {out['refusal_cost']}", flush=True)
         out["preprocess"] = preprocess_costs(plan)
         print(f"[photo] preprocessing, one thread: {out['preprocess']}", flush=True)
         from benchmarks.fleets import four_models  # it uses this module's load generator

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from router.errors import InputError, ModelNotFound, QueueFull, RouterError
+from router.errors import ModelNotFound, QueueFull, RouterError
 from router.http.auth import AccessPolicy
 from router.http.early import EarlyRefusals
 from router.http.protocol import EarlyAnswer, HttpLimits, guarded_protocol
