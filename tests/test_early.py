@@ -17,7 +17,7 @@ import uvicorn
 from router.errors import ModelNotFound, QueueFull, RouterError
 from router.http.auth import AccessPolicy
 from router.http.early import EarlyRefusals
-from router.http.protocol import EarlyAnswer, HttpLimits, guarded_protocol
+from router.http.protocol import PASSED, PRECHECKED, EarlyAnswer, HttpLimits, guarded_protocol
 from tests.conftest import free_port
 
 KEY = b"k-0123456789abcdef"
@@ -72,9 +72,9 @@ def test_a_bad_header_is_refused_before_the_runtime_is_asked() -> None:
     assert facade.calls == []
 
 
-def test_an_admitted_request_goes_on_to_the_app() -> None:
+def test_an_admitted_request_goes_on_to_the_app_as_checked() -> None:
     early, facade = screen()
-    assert early(b"POST", b"/models/m/predict", headers(("content-length", "10"))) is None
+    assert early(b"POST", b"/models/m/predict", headers(("content-length", "10"))) == PASSED
     assert len(facade.calls) == 1
 
 
@@ -107,7 +107,7 @@ def test_without_a_valid_key_the_app_answers() -> None:
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """Reads the whole body, answers 200 with its length."""
+    """Reads the whole body, answers 200 with its length and whether the screen checked it."""
     if scope["type"] != "http":
         return
     size, more = 0, True
@@ -115,7 +115,7 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         message = await receive()
         size += len(message.get("body", b""))
         more = message.get("more_body", False)
-    body = json.dumps({"app": True, "bytes": size}).encode()
+    body = json.dumps({"app": True, "bytes": size, "checked": scope["state"].get(PRECHECKED, False)}).encode()
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
@@ -125,8 +125,11 @@ def failing_screen(method: bytes, url: bytes, fields: Sequence[tuple[bytes, byte
     raise RuntimeError("a bug in the screen")
 
 
-def refusing_screen(method: bytes, url: bytes, fields: Sequence[tuple[bytes, bytes]]) -> EarlyAnswer | None:
-    return EarlyAnswer(503, ((b"retry-after", b"1"),), b'{"detail":"no"}') if url == b"/refuse" else None
+def refusing_screen(method: bytes, url: bytes, fields: Sequence[tuple[bytes, bytes]]) -> EarlyAnswer | str | None:
+    """Refuses /refuse, passes /pass, leaves the rest."""
+    if url == b"/refuse":
+        return EarlyAnswer(503, ((b"retry-after", b"1"),), b'{"detail":"no"}')
+    return PASSED if url == b"/pass" else None
 
 
 @contextmanager
@@ -172,7 +175,7 @@ def post(path: str, body: bytes) -> bytes:
 def test_a_failing_screen_leaves_the_request_to_the_app(caplog: pytest.LogCaptureFixture) -> None:
     with running(failing_screen) as address:
         [(status, body)] = exchange(address, post("/refuse", b"x" * 5000), 1)
-        assert status == 200 and json.loads(body) == {"app": True, "bytes": 5000}
+        assert status == 200 and json.loads(body) == {"app": True, "bytes": 5000, "checked": False}
     assert "the early refusal screen failed" in caplog.text
 
 
@@ -182,4 +185,11 @@ def test_an_early_answer_discards_exactly_its_body() -> None:
     with running(refusing_screen) as address:
         replies = exchange(address, post("/refuse", b"y" * 200_000) + post("/next", b"z" * 777), 2)
     assert replies[0] == (503, b'{"detail":"no"}')
-    assert replies[1][0] == 200 and json.loads(replies[1][1]) == {"app": True, "bytes": 777}
+    assert replies[1][0] == 200 and json.loads(replies[1][1]) == {"app": True, "bytes": 777, "checked": False}
+
+
+def test_a_request_the_screen_passed_reaches_the_app_marked_checked() -> None:
+    with running(refusing_screen) as address:
+        replies = exchange(address, post("/pass", b"p" * 10) + post("/other", b"o"), 2)
+    assert [json.loads(body) for _, body in replies] == [{"app": True, "bytes": 10, "checked": True},
+                                                         {"app": True, "bytes": 1, "checked": False}]

@@ -29,6 +29,7 @@ from router.http.kserve.routes import v2_error_response, v2_router
 from router.http.memory import BodyMemory
 from router.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.http.metrics import RouterMetrics
+from router.http.protocol import PRECHECKED
 from router.http.request_state import mark_received, received_at, runtime_of
 from router.http.ui import ui_router
 from router.logs import request_id_var
@@ -86,8 +87,10 @@ async def predict(name: str, request: Request[Any, Any, Any]) -> Response[dict[s
     priority = priority_header(request.headers.get("x-priority"))
     timeout_ms = number_header("X-Timeout-Ms", request.headers.get("x-timeout-ms"))
     # 404, 503 and header errors before the body is read: under a surge a refusal costs little.
-    runtime.precheck(name, priority=priority, timeout_ms=timeout_ms, received_at=received_at(request),
-                     body_bytes=announced_length(request.headers.get("content-length")))
+    # Served by `model-router serve`, the connection has run these checks already (router.http.early).
+    if not request.scope["state"].get(PRECHECKED):
+        runtime.precheck(name, priority=priority, timeout_ms=timeout_ms, received_at=received_at(request),
+                         body_bytes=announced_length(request.headers.get("content-length")))
     payload = await _payload(request)
     request.scope["state"]["access"] = {"model": name, "input_bytes": len(payload.body)}
     answer = await run_unless_disconnected(

@@ -7,8 +7,9 @@ connection (`router.http.protocol`) asks `EarlyRefusals` once a request's header
 for `POST /models/<name>/predict` it runs the same checks as the predict handler, in the same
 order (key, X-Priority, X-Timeout-Ms, then the runtime's `precheck`), and when they refuse it
 returns the whole response, which the connection writes while it discards the body as it comes.
-Anything else, an admitted request, or a request whose key is not accepted (the app answers
-401/403 in its own words), goes on to the app unchanged.
+A request the checks admit goes on to the app marked as prechecked, so the handler does not check
+it twice. Anything else, or a request whose key is not accepted (the app answers 401/403 in its
+own words), goes on to the app unchanged.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from router.errors import RouterError
 from router.http.access import access_line
 from router.http.auth import Access, AccessPolicy
 from router.http.headers import announced_length, number_header, priority_header, request_id
-from router.http.protocol import EarlyAnswer
+from router.http.protocol import PASSED, EarlyAnswer
 from router.serving.facade import ServingFacade
 
 __all__ = ["EarlyRefusals"]
@@ -39,13 +40,13 @@ READ = (b"authorization", b"x-priority", b"x-timeout-ms", b"content-length", b"x
 
 
 class EarlyRefusals:
-    """The connection's screen: `(method, url, headers) -> EarlyAnswer | None`."""
+    """The connection's screen: `(method, url, headers) -> EarlyAnswer | PASSED | None`."""
 
     def __init__(self, runtime: ServingFacade, policy: AccessPolicy) -> None:
         self.runtime = runtime
         self.policy = policy
 
-    def __call__(self, method: bytes, url: bytes, headers: Sequence[tuple[bytes, bytes]]) -> EarlyAnswer | None:
+    def __call__(self, method: bytes, url: bytes, headers: Sequence[tuple[bytes, bytes]]) -> EarlyAnswer | str | None:
         if method != b"POST":
             return None
         match = PREDICT.match(url)
@@ -72,7 +73,7 @@ class EarlyRefusals:
             )
         except RouterError as exc:
             return self._refusal(exc, url.decode("ascii"), started, fields.get(b"x-request-id"))
-        return None
+        return PASSED  # the predict handler skips its own precheck: one per request
 
     def _refusal(self, exc: RouterError, path: str, started: float, incoming_id: str | None) -> EarlyAnswer:
         """The app's answer to `exc` on this route: its status, headers and JSON body."""

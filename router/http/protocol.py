@@ -32,7 +32,7 @@ from typing import Any
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
-__all__ = ["EarlyAnswer", "HttpLimits", "Screen", "guarded_protocol"]
+__all__ = ["PASSED", "PRECHECKED", "EarlyAnswer", "HttpLimits", "Screen", "guarded_protocol"]
 
 log = logging.getLogger("router.access")
 LINGER_S = 2.0
@@ -56,8 +56,12 @@ class EarlyAnswer:
     body: bytes
 
 
-#: (method, URL as sent, headers with lower-case names) -> the answer, or None to go on to the app.
-Screen = Callable[[bytes, bytes, Sequence[tuple[bytes, bytes]]], EarlyAnswer | None]
+#: A screen's word for a request it checked and let through: the app need not check it again
+#: (the request's scope state then holds `PRECHECKED: True`).
+PASSED = "passed"
+PRECHECKED = "prechecked"
+#: (method, URL as sent, headers with lower-case names) -> the answer, PASSED, or None (not screened).
+Screen = Callable[[bytes, bytes, Sequence[tuple[bytes, bytes]]], EarlyAnswer | str | None]
 
 
 class _Refused(Exception):
@@ -147,9 +151,11 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._reading = "body"
         self._arm(self.limits.body_timeout_s + BODY_GRACE_S)
         answer = self._screened()
-        if answer is not None:
+        if isinstance(answer, EarlyAnswer):
             self._answer_early(answer)
             return
+        if answer == PASSED:
+            self.scope["state"][PRECHECKED] = True
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
@@ -159,7 +165,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     # -- answers before the app --------------------------------------------------------------------
 
-    def _screened(self) -> EarlyAnswer | None:
+    def _screened(self) -> EarlyAnswer | str | None:
         """The screen's answer for a request on an idle connection (none pipelined before it)."""
         if self.screen is None or (self.cycle is not None and not self.cycle.response_complete):
             return None
