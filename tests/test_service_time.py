@@ -115,8 +115,9 @@ def test_prediction_counts_full_batches_ahead_and_the_running_batch() -> None:
     busy = InstanceLoad(seeded(0.1, 0.01), busy_until=0.05)
     prediction = predict_answer(0.0, [busy], queued_ahead=16, max_batch=8, max_delay_s=0.0, margin=0.0)
     assert prediction is not None
-    # 0.05 left of the running batch, two full batches of 0.18, then its own batch of 1 (0.11)
-    assert prediction.answer_in_s == pytest.approx(0.05 + 2 * 0.18 + 0.11)
+    # 0.05 left of the running batch, two full batches of 0.18, then its own batch: one request
+    # now, but full by the time an instance frees for it (0.18)
+    assert prediction.answer_in_s == pytest.approx(0.05 + 2 * 0.18 + 0.18)
     assert prediction.batches_ahead == 2
     assert prediction.running_left_s == pytest.approx(0.05)
 
@@ -126,15 +127,27 @@ def test_prediction_shares_batches_ahead_among_instances() -> None:
     two = predict_answer(0.0, [InstanceLoad(seeded()), InstanceLoad(seeded())], queued_ahead=32, max_batch=8,
                          max_delay_s=0.0, margin=0.0)
     assert one is not None and two is not None
-    assert two.answer_in_s == pytest.approx(2 * 0.18 + 0.11)
-    assert one.answer_in_s == pytest.approx(4 * 0.18 + 0.11)
+    assert two.answer_in_s == pytest.approx(2 * 0.18 + 0.18)
+    assert one.answer_in_s == pytest.approx(4 * 0.18 + 0.18)
 
 
 def test_a_very_long_queue_is_predicted_from_the_combined_rate() -> None:
     prediction = predict_answer(0.0, [InstanceLoad(seeded())], queued_ahead=8 * 10_000, max_batch=8,
                                 max_delay_s=0.0, margin=0.0)
     assert prediction is not None
-    assert prediction.answer_in_s == pytest.approx(10_000 * 0.18 + 0.11, rel=1e-6)
+    assert prediction.answer_in_s == pytest.approx(10_000 * 0.18 + 0.18, rel=1e-6)
+
+
+def test_a_request_that_waits_for_an_instance_is_timed_as_a_full_batch() -> None:
+    """Its batch forms when the instance frees, from all that arrived meanwhile; one that need
+    not wait goes after its batching delay with what is there."""
+    waiting = predict_answer(0.0, [InstanceLoad(seeded(0.1, 0.01), busy_until=0.05)], queued_ahead=2, max_batch=8,
+                             max_delay_s=0.005, margin=0.0)
+    free = predict_answer(0.0, [InstanceLoad(seeded(0.1, 0.01))], queued_ahead=2, max_batch=8,
+                          max_delay_s=0.005, margin=0.0)
+    assert waiting is not None and free is not None
+    assert waiting.answer_in_s == pytest.approx(0.05 + 0.18)
+    assert free.answer_in_s == pytest.approx(0.005 + 0.13)
 
 
 # -- the admission rule -------------------------------------------------------------------------

@@ -231,6 +231,11 @@ def predict_answer(
         remaining -= caps[k]
         batches += 1
     own_size = remaining + 1
+    # A request that waits for an instance (batches ahead, or one running) is batched when the
+    # instance frees, with whatever arrived meanwhile: under load its batch is full by then, and
+    # timing it at its size now let requests in that were then answered 504 at dispatch.
+    if at > now + max_delay_s:
+        own_size = caps[k]
     if own_size < caps[k]:
         at = max(at, now + max_delay_s)  # a batch that is not full waits for its delay
     answer_at = at + timed[k].times.seconds(own_size, now, margin) + max(0.0, lag_s)
