@@ -18,7 +18,6 @@ tries to pip-install pi-heif. An upload must never trigger that.
 
 from __future__ import annotations
 
-import functools
 import io
 import struct
 from dataclasses import dataclass
@@ -315,7 +314,6 @@ def _other_format(body: bytes) -> str | None:
     return None
 
 
-@functools.cache
 @cache
 def _cv2() -> ModuleType | None:
     """OpenCV, when installed (the bundled vision plugins depend on it); imported on first use,
