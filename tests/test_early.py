@@ -17,7 +17,7 @@ import uvicorn
 from router.errors import ModelNotFound, QueueFull, RouterError
 from router.http.auth import AccessPolicy
 from router.http.early import EarlyRefusals
-from router.http.protocol import PASSED, PRECHECKED, EarlyAnswer, HttpLimits, guarded_protocol
+from router.http.protocol import PASSED, PRECHECKED, EarlyAnswer, HttpLimits, Passed, guarded_protocol
 from tests.conftest import free_port
 
 KEY = b"k-0123456789abcdef"
@@ -125,7 +125,7 @@ def failing_screen(method: bytes, url: bytes, fields: Sequence[tuple[bytes, byte
     raise RuntimeError("a bug in the screen")
 
 
-def refusing_screen(method: bytes, url: bytes, fields: Sequence[tuple[bytes, bytes]]) -> EarlyAnswer | str | None:
+def refusing_screen(method: bytes, url: bytes, fields: Sequence[tuple[bytes, bytes]]) -> EarlyAnswer | Passed | None:
     """Refuses /refuse, passes /pass, leaves the rest."""
     if url == b"/refuse":
         return EarlyAnswer(503, ((b"retry-after", b"1"),), b'{"detail":"no"}')

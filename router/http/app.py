@@ -21,10 +21,10 @@ from router import __version__
 from router.errors import ClientDisconnected, InputError, RequestTimeout, RouterError, brief, clip
 from router.http.access import access_line
 from router.http.admin import ADMIN_ROUTES
+from router.http.answers import error_body
 from router.http.auth import Access, AccessPolicy, access_guard
 from router.http.disconnect import run_unless_disconnected
-from router.http.headers import announced_length, number_header, priority_header
-from router.http.headers import request_id as incoming_or_new
+from router.http.headers import announced_length, incoming_or_new, number_header, priority_header
 from router.http.kserve.routes import v2_error_response, v2_router
 from router.http.memory import BodyMemory
 from router.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -168,7 +168,7 @@ def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response
     else:
         log.exception("unhandled error")
         status, detail, headers = 500, "internal server error", {}
-    return Response({"detail": detail, "request_id": request_id_var.get()}, status_code=status,
+    return Response(error_body(detail, request_id_var.get()), status_code=status,
                     headers=headers, media_type=MediaType.JSON)
 
 

@@ -24,9 +24,10 @@ import msgspec
 
 from router.errors import RouterError
 from router.http.access import access_line
+from router.http.answers import error_body
 from router.http.auth import Access, AccessPolicy
-from router.http.headers import announced_length, number_header, priority_header, request_id
-from router.http.protocol import PASSED, EarlyAnswer
+from router.http.headers import announced_length, incoming_or_new, number_header, priority_header
+from router.http.protocol import PASSED, EarlyAnswer, Passed
 from router.serving.facade import ServingFacade
 
 __all__ = ["EarlyRefusals"]
@@ -46,7 +47,7 @@ class EarlyRefusals:
         self.runtime = runtime
         self.policy = policy
 
-    def __call__(self, method: bytes, url: bytes, headers: Sequence[tuple[bytes, bytes]]) -> EarlyAnswer | str | None:
+    def __call__(self, method: bytes, url: bytes, headers: Sequence[tuple[bytes, bytes]]) -> EarlyAnswer | Passed | None:
         if method != b"POST":
             return None
         match = PREDICT.match(url)
@@ -77,8 +78,8 @@ class EarlyRefusals:
 
     def _refusal(self, exc: RouterError, path: str, started: float, incoming_id: str | None) -> EarlyAnswer:
         """The app's answer to `exc` on this route: its status, headers and JSON body."""
-        rid = request_id(incoming_id, uuid.uuid4().hex)
-        body = msgspec.json.encode({"detail": exc.detail, "request_id": rid})
+        rid = incoming_or_new(incoming_id, uuid.uuid4().hex)
+        body = msgspec.json.encode(error_body(exc.detail, rid))
         headers = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in exc.headers.items()]
         headers += [(b"content-type", b"application/json"), (b"x-request-id", rid.encode("latin-1"))]
         access_line("POST", path, exc.status_code, time.monotonic() - started, {"refused": "before the app"}, rid)

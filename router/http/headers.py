@@ -8,7 +8,7 @@ import re
 
 from router.errors import InputError, brief
 
-__all__ = ["REQUEST_ID_PATTERN", "announced_length", "number_header", "priority_header", "request_id"]
+__all__ = ["REQUEST_ID_PATTERN", "announced_length", "incoming_or_new", "number_header", "priority_header"]
 
 REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 #: A decimal number as people write it: no '1_0', no 'inf', no hex.
@@ -40,6 +40,6 @@ def announced_length(raw: str | None) -> int | None:
     return int(raw) if raw is not None and raw.isdigit() else None
 
 
-def request_id(incoming: str | None, new: str) -> str:
+def incoming_or_new(incoming: str | None, new: str) -> str:
     """The caller's X-Request-ID when it is sane, else `new`."""
     return incoming if incoming and REQUEST_ID_PATTERN.match(incoming) else new

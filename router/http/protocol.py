@@ -27,12 +27,14 @@ import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, Literal
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
-__all__ = ["PASSED", "PRECHECKED", "EarlyAnswer", "HttpLimits", "Screen", "guarded_protocol"]
+from router.http.answers import error_body
+
+__all__ = ["PASSED", "PRECHECKED", "EarlyAnswer", "HttpLimits", "Passed", "Screen", "guarded_protocol"]
 
 log = logging.getLogger("router.access")
 LINGER_S = 2.0
@@ -58,10 +60,11 @@ class EarlyAnswer:
 
 #: A screen's word for a request it checked and let through: the app need not check it again
 #: (the request's scope state then holds `PRECHECKED: True`).
-PASSED = "passed"
-PRECHECKED = "prechecked"
+PASSED: Final = "passed"
+PRECHECKED: Final = "prechecked"
+Passed = Literal["passed"]
 #: (method, URL as sent, headers with lower-case names) -> the answer, PASSED, or None (not screened).
-Screen = Callable[[bytes, bytes, Sequence[tuple[bytes, bytes]]], EarlyAnswer | str | None]
+Screen = Callable[[bytes, bytes, Sequence[tuple[bytes, bytes]]], EarlyAnswer | Passed | None]
 
 
 class _Refused(Exception):
@@ -165,7 +168,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     # -- answers before the app --------------------------------------------------------------------
 
-    def _screened(self) -> EarlyAnswer | str | None:
+    def _screened(self) -> EarlyAnswer | Passed | None:
         """The screen's answer for a request on an idle connection (none pipelined before it)."""
         if self.screen is None or (self.cycle is not None and not self.cycle.response_complete):
             return None
@@ -217,8 +220,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         url = getattr(self, "url", b"")  # set when a request begins
         log.info("request refused before the app", extra={"status": refusal.status, "detail": refusal.detail,
                                                            "path": url[:256].decode("latin-1")})
-        key = "error" if url.startswith(b"/v2") else "detail"
-        body = json.dumps({key: refusal.detail}).encode()
+        body = json.dumps(error_body(refusal.detail, v2=url.startswith(b"/v2"))).encode()
         head = [STATUS_LINE[refusal.status], b"content-type: application/json\r\n",
                 b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n"]
         self.transport.write(b"".join(head) + body)
