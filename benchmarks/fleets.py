@@ -19,8 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from benchmarks.run import loadgen, server_cpu
 from benchmarks.systems import serve_router
 from benchmarks.workloads import REPO, WORKLOADS
 
@@ -50,18 +49,15 @@ def _throughput(store: Path, scratch: Path, count: int, seconds: float, env: dic
         # Every model's first batches pay for lazy imports and first-use set-up: warm them all
         # (one model alone gets the same warming), then measure.
         closed_many(server, args, 2.0)
-        process = psutil.Process(server.process.pid)
-        before = sum(process.cpu_times()[:2])
-        report = closed_many(server, args, seconds)
-        cpu_s = sum(process.cpu_times()[:2]) - before
+        with server_cpu(server) as cpu:
+            report = closed_many(server, args, seconds)
+        cpu_s = cpu.seconds
         answered = float(report["throughput_rps"]) * seconds
         return float(report["throughput_rps"]), round(answered / cpu_s, 2) if cpu_s > 0 else 0.0
 
 
 def closed_many(server: Any, target_args: list[str], seconds: float) -> dict[str, Any]:
     """The targets round-robin at CONCURRENCY, closed loop."""
-    from benchmarks.run import loadgen
-
     first, rest = target_args[1], target_args[2:]
     return loadgen(server, first, *rest, "--concurrency", str(CONCURRENCY), "--duration", str(seconds), "--timeout", "15")
 

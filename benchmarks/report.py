@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +26,7 @@ def _sat(workload: dict[str, Any], system: str) -> float | None:
 
 
 def _median(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered, middle = sorted(values), len(values) // 2
-    return round(ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2, 3)
+    return round(statistics.median(values), 3) if values else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

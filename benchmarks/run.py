@@ -17,6 +17,7 @@ import argparse
 import json
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -108,14 +109,14 @@ class _CpuSeconds:
 
 @contextmanager
 def server_cpu(server: Server) -> Iterator[_CpuSeconds]:
-    """The server process's CPU time (user + system, all threads) spent inside the block."""
+    """The server's CPU time (user + system, all threads, and its worker processes: LitServe's
+    model runs in them) spent inside the block."""
     process, spent = psutil.Process(server.process.pid), _CpuSeconds()
-    before = process.cpu_times()
+    before = _cpu_seconds(process)
     try:
         yield spent
     finally:
-        after = process.cpu_times()
-        spent.seconds = (after.user - before.user) + (after.system - before.system)
+        spent.seconds = _cpu_seconds(process) - before
 
 
 def open_point(system: str, workload: Workload, store: Path, scratch: Path, plan: Plan,
@@ -245,9 +246,7 @@ def page_overhead(store: Path, scratch: Path, plan: Plan, rounds: int = 4) -> di
 
 
 def _median_ratio(numerators: list[float], denominators: list[float]) -> float:
-    ratios = sorted(a / b for a, b in zip(numerators, denominators, strict=True) if b)
-    middle = len(ratios) // 2
-    return round(ratios[middle] if len(ratios) % 2 else (ratios[middle - 1] + ratios[middle]) / 2, 3)
+    return round(statistics.median(a / b for a, b in zip(numerators, denominators, strict=True) if b), 3)
 
 
 def _cpu_seconds(process: psutil.Process) -> float:
