@@ -13,9 +13,9 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.cli import build_plan
 from router.errors import DeadlineExceeded, RouterError
 from router.sdk.plugin import Payload
+from router.serving.plan import load_plan
 from router.serving.runtime import Answer, Runtime
 from tests.conftest import read_records
 
@@ -112,7 +112,7 @@ def test_every_request_answered_exactly_once(tmp_path: Path, plan: list[Arrival]
     config = tmp_path / "fleet.yaml"
     record = tmp_path / f"batches-{uuid.uuid4().hex}.jsonl"  # hypothesis reuses tmp_path across examples
     config.write_text(FLEET.replace("RECORD", str(record)), encoding="utf-8")
-    runtime = Runtime(build_plan(config))
+    runtime = Runtime(load_plan(config))
     results, runs = asyncio.run(scenario(runtime, plan, record))
 
     assert len(results) == len(plan)
