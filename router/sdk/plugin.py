@@ -5,7 +5,18 @@ The router creates one plugin object per model instance, so an object serves one
 device and may keep state (the loaded network) on itself.
 
 Required: `load`, `preprocess`, `predict_batch`, `memory_estimate`.
-Optional hooks with defaults: `postprocess`, `describe_input`, `example_payload`, `warmup`, `unload`.
+Optional hooks with defaults: `postprocess`, `describe_input`, `example_payload`, `warmup`, `unload`,
+and for a host split into processes (`workers: N`), `front_state` and `adopt_front_state`.
+
+Where each hook runs. With one process, all of them run in it. With `workers: N` the host has N
+front processes and one engine process: `load`, `predict_batch`, `memory_estimate`, `warmup` and
+`unload` run in the engine, on the instance's thread, beside the loaded model; `preprocess`,
+`postprocess` and `describe_input` run in a front, on a plugin object that was only constructed
+(`__init__` with the options and the context: nothing is loaded there). What a front's object has
+is its options, its context, and whatever the engine's loaded object returned from `front_state()`
+(class names, input size, stride...), handed to `adopt_front_state()` once after each load. A
+plugin whose `preprocess` needs the loaded model (JPEG decode on the GPU) sets
+`preprocess_needs_model = True`, and its hooks then run in the engine.
 """
 
 from __future__ import annotations
@@ -100,6 +111,9 @@ class ModelPlugin(ABC, Generic[OptionsT]):
     #: Whether torch's CUDA allocator holds this plugin's memory, so warm-up can profile it with
     #: torch.cuda.max_memory_allocated. Plugins on other runtimes (onnxruntime, TensorRT) set False.
     torch_memory: ClassVar[bool] = True
+    #: Whether `preprocess` (and so `postprocess`) needs the loaded model. With `workers: N` such a
+    #: plugin's hooks run in the engine process, beside it, and fronts send it the raw body.
+    preprocess_needs_model: ClassVar[bool] = False
 
     def __init__(self, options: OptionsT, context: PluginContext) -> None:
         self.options = options
@@ -144,3 +158,14 @@ class ModelPlugin(ABC, Generic[OptionsT]):
 
     def unload(self) -> None:
         """Release the model's memory. Called on shutdown and, later, on eviction."""
+
+    def front_state(self) -> Any:
+        """After `load`, in the engine: what `preprocess` and `postprocess` need that only loading
+        can tell (class names, input size, stride), as any picklable value. The front processes'
+        objects receive it through `adopt_front_state`. The default, None, is for plugins whose
+        hooks need nothing beyond their options."""
+        return None
+
+    def adopt_front_state(self, state: Any) -> None:
+        """In a front process, on an object that was constructed but never loaded: take what the
+        engine's loaded object returned from `front_state`, before any `preprocess`."""
