@@ -15,11 +15,13 @@ __all__ = [
     "ConfigError",
     "DeadlineExceeded",
     "DeviceOutOfMemory",
+    "EngineUnavailable",
     "ExecutionTimeout",
     "V2_STATUS",
     "Forbidden",
     "InputError",
     "ModelDoesNotFit",
+    "ModelChanged",
     "ModelError",
     "ModelNotFound",
     "ModelUnavailable",
@@ -36,6 +38,7 @@ __all__ = [
     "UnsupportedMediaType",
     "brief",
     "clip",
+    "error_named",
     "outcome_of",
     "v2_status",
 ]
@@ -132,6 +135,17 @@ class ModelUnavailable(Overloaded):
     """The model is not loaded, is still warming up, or failed to load."""
 
 
+class ModelChanged(ModelUnavailable):
+    """A new version of the model took over while a front process prepared the input for the old
+    one; the front prepares it again (a client sees this only if that fails too)."""
+
+
+class EngineUnavailable(Overloaded):
+    """The engine process is gone or restarting; the front processes answer this until it is back."""
+
+    outcome = "engine_unavailable"
+
+
 class ReplicaLost(Overloaded):
     """The cluster replica holding the request died or became unreachable (Ray restarts it)."""
 
@@ -200,6 +214,17 @@ def outcome_of(error: BaseException) -> str:
     return "error"
 
 
+def error_named(kind: str, detail: str, *, headers: Mapping[str, str] | None = None,
+                retry_after_s: float | None = None) -> RouterError:
+    """A RouterError rebuilt from its class name, detail and headers, as another process or a
+    replica sent it: it answers with the same status, outcome and headers. An unknown name is a
+    ModelError (500)."""
+    error_class = _ERRORS_BY_NAME.get(kind, ModelError)
+    error = RouterError.__new__(error_class)
+    RouterError.__init__(error, detail, headers=headers, retry_after_s=retry_after_s)
+    return error
+
+
 class ConfigError(Exception):
     """The fleet file or the settings are invalid. The message names file, key, value and what is accepted."""
 
@@ -244,3 +269,10 @@ def brief(value: object, limit: int = 80) -> str:
 def clip(text: str, limit: int = 300) -> str:
     """Text cut to at most `limit` characters, marked with '...' where it was cut."""
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+#: Every RouterError class by name, for `error_named`.
+_ERRORS_BY_NAME: Final[dict[str, type[RouterError]]] = {
+    cls.__name__: cls for cls in list(globals().values())
+    if isinstance(cls, type) and issubclass(cls, RouterError)
+}

@@ -57,6 +57,11 @@ def tickets(*items: str) -> list[Ticket]:
     return [Ticket(item, item, 1, 0.0, 60.0, loop.create_future()) for item in items]
 
 
+async def run(instance: ModelInstance, batch: list[Ticket]) -> None:
+    """Run a batch and answer its tickets from the result, as the device scheduler does."""
+    (await instance.execute(batch)).resolve(dispatched_at=0.0)
+
+
 def oom_above(limit: int, error: Callable[[int], BaseException]) -> Callable[[list[Any]], list[Any]]:
     def behaviour(items: list[Any]) -> list[Any]:
         if len(items) > limit:
@@ -106,8 +111,8 @@ def test_the_lifecycle_moves_only_along_its_transitions(caplog: pytest.LogCaptur
 async def test_out_of_memory_splits_the_batch_in_halves_and_loses_nothing() -> None:
     instance, plugin = ready_instance(oom_above(2, lambda n: DeviceOutOfMemory(f"batch of {n}")))
     batch = tickets(*(f"r{i}" for i in range(8)))
-    await instance.execute(batch)
-    assert [t.future.result() for t in batch] == [f"out-r{i}" for i in range(8)]
+    await run(instance, batch)
+    assert [t.future.result().output for t in batch] == [f"out-r{i}" for i in range(8)]
     assert [len(b) for b in plugin.batches] == [8, 4, 2, 2, 4, 2, 2]
 
 
@@ -120,8 +125,8 @@ async def test_each_framework_s_out_of_memory_is_recognised(error: Callable[[int
     assert is_out_of_memory(error(1))
     instance, plugin = ready_instance(oom_above(1, error))
     batch = tickets("a", "b", "c", "d")
-    await instance.execute(batch)
-    assert [t.future.result() for t in batch] == ["out-a", "out-b", "out-c", "out-d"]
+    await run(instance, batch)
+    assert [t.future.result().output for t in batch] == ["out-a", "out-b", "out-c", "out-d"]
     assert [len(b) for b in plugin.batches][:3] == [4, 2, 1]
 
 
@@ -133,11 +138,11 @@ async def test_a_single_input_that_still_runs_out_of_memory_gets_503_alone() -> 
 
     instance, _ = ready_instance(behaviour)
     batch = tickets("a", "oom", "b", "c")
-    await instance.execute(batch)
+    await run(instance, batch)
     with pytest.raises(DeviceOutOfMemory) as error:
-        batch[1].future.result()
+        batch[1].future.result().output
     assert error.value.status_code == 503
-    assert [batch[i].future.result() for i in (0, 2, 3)] == ["a", "b", "c"]
+    assert [batch[i].future.result().output for i in (0, 2, 3)] == ["a", "b", "c"]
 
 
 async def test_a_model_error_answers_the_batch_500_and_the_instance_keeps_serving() -> None:
@@ -148,28 +153,28 @@ async def test_a_model_error_answers_the_batch_500_and_the_instance_keeps_servin
 
     instance, _ = ready_instance(behaviour)
     failed, later = tickets("bad", "x"), tickets("y")
-    await instance.execute(failed)
-    await instance.execute(later)
+    await run(instance, failed)
+    await run(instance, later)
     for ticket in failed:
         with pytest.raises(ModelError, match="ValueError: broken input"):
-            ticket.future.result()
-    assert later[0].future.result() == "y" and instance.state is InstanceState.READY
+            ticket.future.result().output
+    assert later[0].future.result().output == "y" and instance.state is InstanceState.READY
 
 
 async def test_a_wrong_number_of_outputs_is_a_named_error() -> None:
     instance, _ = ready_instance(lambda items: items[:-1])
     batch = tickets("a", "b")
-    await instance.execute(batch)
+    await run(instance, batch)
     for ticket in batch:
         with pytest.raises(BatchSizeMismatch, match="returned 1 outputs for a batch of 2"):
-            ticket.future.result()
+            ticket.future.result().output
 
 
 async def test_tickets_whose_caller_left_are_dropped_before_the_batch_runs() -> None:
     instance, plugin = ready_instance(lambda items: items)
     batch = tickets("gone", "here")
     batch[0].future.cancel()
-    await instance.execute(batch)
+    await run(instance, batch)
     assert plugin.batches == [["here"]]
 
 
@@ -186,20 +191,20 @@ async def test_a_batch_past_its_execution_timeout_fences_the_instance_until_its_
 
     instance, _ = ready_instance(behaviour, timeout_s=0.05)
     hung = tickets("hang")
-    await instance.execute(hung)
+    await run(instance, hung)
     with pytest.raises(ExecutionTimeout) as error:
-        hung[0].future.result()
+        hung[0].future.result().output
     assert error.value.status_code == 504
     assert instance.state is InstanceState.FENCED and not instance.schedulable
     behind = tickets("behind")  # dispatched while the thread is still busy: refused, not queued on the thread
-    await instance.execute(behind)
+    await run(instance, behind)
     with pytest.raises(ExecutionTimeout, match="stalled"):
-        behind[0].future.result()
+        behind[0].future.result().output
     release.set()
     await instance.wait_idle()
     await asyncio.sleep(0)  # the thread's return is handed to the loop
     assert instance.state is InstanceState.READY
     after = tickets("after")
-    await instance.execute(after)
-    assert after[0].future.result() == "after"
+    await run(instance, after)
+    assert after[0].future.result().output == "after"
     instance.shutdown()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from router.config import BatchPolicy
-from router.errors import PayloadTooLarge, QueueFull
-from router.scheduling.queue import DrainRate, ModelQueue, Ticket, TicketState
+from router.errors import ModelError, PayloadTooLarge, QueueFull
+from router.scheduling.queue import BatchFacts, BatchResult, DrainRate, ModelQueue, Served, Ticket, TicketState
 
 
 def ticket(request_id: str, *, priority: int = 1, at: float = 0.0) -> Ticket:
@@ -42,15 +44,29 @@ def test_tickets_within_a_level_leave_in_arrival_order() -> None:
     assert ids(take(queue, 5, now=6.0)) == ["t2", "t3"]
 
 
-def test_dispatch_marks_tickets_dispatched_at_now() -> None:
+def test_dispatch_marks_tickets_dispatched() -> None:
     queue = ModelQueue("m", max_size=10)
     queue.put(ticket("a"))
 
     [taken] = take(queue, 1, now=4.5)
 
     assert taken.state is TicketState.DISPATCHED
-    assert taken.dispatched_at == 4.5
     assert queue.depth == 0
+
+
+def test_a_batch_result_answers_each_ticket_once_with_the_batch_it_rode() -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        done, failed, answered = (Ticket(n, None, 1, 0.0, 10.0, loop.create_future()) for n in ("done", "failed", "x"))
+        answered.future.set_result("earlier")
+        error = ModelError("boom")
+        BatchResult([(done, "out"), (answered, "late")], [(failed, error)], size=3, execution_s=0.25,
+                    memory_delta_bytes=-4).resolve(dispatched_at=7.0)
+        assert done.future.result() == Served("out", BatchFacts(3, 7.0, 0.25, -4))
+        assert failed.future.exception() is error
+        assert answered.future.result() == "earlier"  # answered once: the first answer stands
+    finally:
+        loop.close()
 
 
 def test_put_rejects_priority_outside_configured_levels() -> None:

@@ -293,7 +293,7 @@ async def test_a_plugin_bug_is_a_500_whose_log_names_plugin_and_hook(
         assert (await runtime.submit("m", ask("fine"))).output == {"id": "fine"}  # the model keeps serving
     assert error.value.status_code == 500 and detail in error.value.detail and "'buggy'" in error.value.detail
     if hook == "preprocess":
-        [line] = [r for r in caplog.records if r.name == "router.serving.runtime" and r.levelname == "ERROR"]
+        [line] = [r for r in caplog.records if r.name == "router.serving.hooks" and r.levelname == "ERROR"]
         assert line.getMessage() == "model m: plugin buggy raised in preprocess: KeyError: 'missing field'"
         assert line.exc_info is not None  # the traceback, once
 

@@ -14,7 +14,7 @@ import pytest
 from router.config import BatchPolicy, DeviceConfig
 from router.errors import DeadlineExceeded
 from router.scheduling.probes import MemoryReading, ProbeError
-from router.scheduling.queue import ModelQueue, Ticket, resolve
+from router.scheduling.queue import BatchResult, ModelQueue, Ticket
 from router.scheduling.scheduler import DeviceScheduler
 from router.scheduling.service_time import BatchTime
 from router.sdk.plugin import MemoryEstimate
@@ -55,13 +55,12 @@ class FakeRunner:
     def end_batch(self) -> None:
         self.busy = False
 
-    async def execute(self, tickets: Sequence[Ticket]) -> None:
+    async def execute(self, tickets: Sequence[Ticket]) -> BatchResult:
         self.batches.append([t.request_id for t in tickets])
         if self.hold is not None:
             await self.hold.wait()
         self.clock.now += self.cost_s
-        for ticket in tickets:
-            resolve(ticket, ticket.request_id)
+        return BatchResult([(t, t.request_id) for t in tickets], size=len(tickets), execution_s=self.cost_s)
 
     async def wait_idle(self) -> None:
         if self.stalled is not None:
@@ -252,7 +251,7 @@ async def test_a_request_that_would_be_answered_after_its_deadline_is_504_at_dis
     assert r.batches == [["ok0"]]
     with pytest.raises(DeadlineExceeded, match="not run"):
         doomed[0].future.result()
-    assert kept[0].future.result() == "ok0"
+    assert kept[0].future.result().output == "ok0"
 
 
 async def test_a_batch_waits_for_its_delay_unless_it_is_full() -> None:
@@ -287,7 +286,7 @@ async def test_the_loop_restarts_after_a_crash_and_still_dispatches(monkeypatch:
     try:
         [ticket] = enqueue(m, clock, 1)
         sched.notify()
-        assert await asyncio.wait_for(ticket.future, 5) == "r0"
+        assert (await asyncio.wait_for(ticket.future, 5)).output == "r0"
     finally:
         await sched.stop()
     assert sched.restarts == 1

@@ -12,8 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from router import errors
-from router.errors import RouterError
+from router.errors import RouterError, error_named
 from router.serving.runtime import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
 
@@ -111,11 +110,6 @@ class Command:
     unload: bool = False
 
 
-#: The errors a replica may answer with, by class name.
-ERRORS: dict[str, type[RouterError]] = {
-    cls.__name__: cls for cls in vars(errors).values()
-    if isinstance(cls, type) and issubclass(cls, RouterError)
-}
 #: Refusals decided before anything ran: another replica may take the request.
 RETRYABLE = frozenset({"QueueFull", "ShuttingDown", "ModelDoesNotFit", "DeviceOutOfMemory"})
 
@@ -137,11 +131,7 @@ class ErrorReply:
 
     def error(self) -> RouterError:
         """The error again, as its class: it answers with the same status, outcome and headers."""
-        error_class = ERRORS.get(self.kind, errors.ModelError)
-        error = RouterError.__new__(error_class)
-        RouterError.__init__(error, self.detail, headers=self.headers)
-        error.retry_after_s = self.retry_after_s
-        return error
+        return error_named(self.kind, self.detail, headers=self.headers, retry_after_s=self.retry_after_s)
 
 
 @dataclass(frozen=True)

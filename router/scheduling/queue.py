@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from router.config import BatchPolicy
 from router.errors import PayloadTooLarge, QueueFull
 
-__all__ = ["DrainRate", "ModelQueue", "Ticket", "TicketState", "reject", "resolve"]
+__all__ = ["BatchFacts", "BatchResult", "DrainRate", "ModelQueue", "Served", "Ticket", "TicketState", "reject", "resolve"]
 
 
 class TicketState(enum.Enum):
@@ -25,21 +26,57 @@ class TicketState(enum.Enum):
 
 @dataclass(eq=False)
 class Ticket:
-    """One accepted request: its prepared input and the future its answer goes to."""
+    """One accepted request: its prepared input and the future its answer goes to (a `Served`,
+    or the error that answers it). Its `state` is its queue's to write."""
 
     request_id: str
     item: Any
     priority: int
     arrived_at: float
     deadline: float
-    future: Any = None  # asyncio.Future in the runtime; anything in pure tests
+    future: Any = None  # asyncio.Future in the runtime, the engine's reply to a front, anything in pure tests
     input_bytes: int = 0
     state: TicketState = TicketState.QUEUED
-    dispatched_at: float | None = None
-    batch_size: int = 0
+    measure: bool = False  # admitted to measure the model (idle, untimed, half-open): never dropped as doomed
+
+
+@dataclass(frozen=True)
+class BatchFacts:
+    """The batch a ticket rode: its size, when it was dispatched, how long it ran, and the device
+    memory used after it minus before (where a probe reads it)."""
+
+    size: int
+    dispatched_at: float
+    execution_s: float
+    memory_delta_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class Served:
+    """A ticket's answer: the model's output for its item, and the batch that computed it."""
+
+    output: Any
+    batch: BatchFacts
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """What one run of a batch gave (an instance returns it): an output or an error for each
+    ticket that ran, and its timing. Its scheduler adds the memory delta and resolves the tickets."""
+
+    outputs: Sequence[tuple[Ticket, Any]] = ()
+    errors: Sequence[tuple[Ticket, BaseException]] = ()
+    size: int = 0
     execution_s: float = 0.0
     memory_delta_bytes: int | None = None
-    measure: bool = False  # admitted to measure the model (idle, untimed, probe): never dropped as doomed
+
+    def resolve(self, dispatched_at: float) -> None:
+        """Answer every ticket of the batch, each exactly once."""
+        facts = BatchFacts(self.size, dispatched_at, self.execution_s, self.memory_delta_bytes)
+        for ticket, output in self.outputs:
+            resolve(ticket, Served(output, facts))
+        for ticket, error in self.errors:
+            reject(ticket, error)
 
 
 def resolve(ticket: Ticket, result: Any) -> None:
@@ -176,7 +213,6 @@ class ModelQueue:
                     doomed.append(ticket)
                     continue
                 ticket.state = TicketState.DISPATCHED
-                ticket.dispatched_at = now
                 batch.append(ticket)
             if len(batch) >= n:
                 break

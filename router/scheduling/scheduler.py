@@ -12,14 +12,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Protocol
 
 from router.config import BatchPolicy, DeviceConfig
-from router.errors import DeadlineExceeded, ModelDoesNotFit
+from router.errors import DeadlineExceeded, ModelDoesNotFit, ModelError
 from router.scheduling.batch_admission import BatchAdmission, Candidate, DeviceState, admit_batches, fits
 from router.scheduling.ledger import MemoryLedger, Reservation
 from router.scheduling.probes import MemoryProbe, MemoryReading, ProbeError
-from router.scheduling.queue import ModelQueue, Ticket, reject
+from router.scheduling.queue import BatchResult, ModelQueue, Ticket, reject
 from router.scheduling.residency import Occupant, ResidencyPlan, plan_residency
 from router.scheduling.service_time import BatchTime, DecayingTotal
 from router.sdk.plugin import MemoryEstimate
@@ -49,7 +50,7 @@ class Runner(Protocol):
     def times(self) -> BatchTime: ...  # its batch execution time estimate
     def begin_batch(self, size: int, now: float) -> None: ...
     def end_batch(self) -> None: ...
-    async def execute(self, tickets: Sequence[Ticket]) -> None: ...  # answers every ticket
+    async def execute(self, tickets: Sequence[Ticket]) -> BatchResult: ...  # an outcome for every ticket that ran
     async def wait_idle(self) -> None: ...  # returns once its thread is really free
 
 
@@ -373,17 +374,24 @@ class DeviceScheduler:
         runner.begin_batch(len(tickets), now)
         self._active += 1
         self._ends[reservation.batch_id] = now + runner.times.seconds(len(tickets), now)
-        task = asyncio.create_task(self._run(model, runner, tickets, reservation))
+        task = asyncio.create_task(self._run(model, runner, tickets, reservation, now))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _run(self, model: Model, runner: Runner, tickets: list[Ticket], reservation: Reservation) -> None:
+    async def _run(self, model: Model, runner: Runner, tickets: list[Ticket], reservation: Reservation,
+                   dispatched_at: float) -> None:
         started = self.clock()
         before = self.last_reading
         slot = True
         try:
-            await runner.execute(tickets)
-            self._record_memory_change(tickets, before)  # before the callers resume: no await in between
+            try:
+                result = await runner.execute(tickets)
+            except BaseException:
+                for ticket in tickets:  # every ticket is answered, whatever happened
+                    reject(ticket, ModelError(f"model {model.name!r}: batch ended without an answer"))
+                raise
+            # Resolved before the callers resume, with no await in between: the delta is this batch's.
+            replace(result, memory_delta_bytes=self._memory_change(before)).resolve(dispatched_at)
             # Answered. A batch fenced past its execution timeout keeps its memory until its thread
             # returns, but not its slot: a hung model must not stop the others on its device.
             self._active -= 1
@@ -400,11 +408,9 @@ class DeviceScheduler:
             self._served(model.name).add(self.clock() - started, self.clock())
             self.notify()
 
-    def _record_memory_change(self, tickets: list[Ticket], before: MemoryReading | None) -> None:
+    def _memory_change(self, before: MemoryReading | None) -> int | None:
         """Device memory used after the batch minus before it, for each ticket's log line."""
         if self.probe is None or before is None:
-            return
+            return None
         after = self._read()
-        if after is not None:
-            for ticket in tickets:
-                ticket.memory_delta_bytes = after.used_bytes - before.used_bytes
+        return None if after is None else after.used_bytes - before.used_bytes

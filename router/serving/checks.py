@@ -1,76 +1,41 @@
-"""The checks a request passes on its way in (and its answer on its way out). Each raises the
-RouterError that answers the request; none has side effects."""
+"""The checks of a request's body on its way in and of its answer on its way out (the rules on its
+headers are `router.serving.rules`). Each raises the RouterError that answers the request; none
+has side effects."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Sequence
 from fnmatch import fnmatch
 from typing import Any
 
-from router.errors import InputError, ModelError, QueueFull, UnsupportedMediaType, clip
+from router.errors import ModelError, UnsupportedMediaType, clip
 from router.sdk.plugin import Payload
-from router.serving.deployment import Deployment
 
-__all__ = ["check_answer", "check_deadline_gate", "check_media_type", "check_priority", "check_timeout"]
+__all__ = ["check_answer", "check_media_type"]
 
 _JSON_SCALARS = (str, int, bool, type(None))
 
 
-def check_deadline_gate(
-    deployment: Deployment, budget_s: float, now: float, *, take_turn: bool = True,
-    device_free_at: Mapping[str, float] | None = None,
-) -> bool:
-    """Refuse at once (503) a request that the work already queued and running would push past
-    its deadline, rather than queueing it to answer 504 later. Returns whether the request is
-    admitted to measure the model's real answer time (it is then never dropped at dispatch)."""
-    decision = deployment.deadline_gate(budget_s, now, take_turn=take_turn, device_free_at=device_free_at)
-    if not decision.admit:
-        raise QueueFull(
-            f"model {deployment.name!r} is overloaded: {decision.reason}; retry later",
-            retry_after_s=decision.retry_after_s,
-        )
-    return decision.measure
-
-
-def check_media_type(deployment: Deployment, payload: Payload) -> None:
-    accepts = deployment.plugin.cls.accepts
+def check_media_type(model: str, accepts: Sequence[str], payload: Payload) -> None:
+    """415 for a media type the model's plugin does not accept."""
     media = payload.media_type.split(";", 1)[0].strip().lower()
     if media == "application/octet-stream" and any(a.startswith("image/") for a in accepts):
         return  # bytes of unknown type: the plugin sniffs the real format
     if not any(fnmatch(media, pattern) for pattern in accepts):
         raise UnsupportedMediaType(
-            f"model {deployment.name!r} does not accept {clip(media, 80) or 'an empty media type'}; "
+            f"model {model!r} does not accept {clip(media, 80) or 'an empty media type'}; "
             f"accepted: {', '.join(accepts)}"
         )
 
 
-def check_priority(deployment: Deployment, priority: int | None) -> int:
-    levels = deployment.config.queue.priority_levels
-    if priority is None:
-        return deployment.config.queue.default_priority
-    if not 1 <= priority <= levels:
-        raise InputError(f"X-Priority must be an integer from 1 to {levels}, got {priority}")
-    return priority
-
-
-def check_timeout(deployment: Deployment, timeout_ms: float | None) -> float:
-    """The request's time budget in seconds: the model's queue timeout, or shorter if asked."""
-    limit = deployment.config.queue.timeout_ms
-    if timeout_ms is None:
-        return limit / 1000.0
-    if not timeout_ms > 0:
-        raise InputError(f"X-Timeout-Ms must be a positive number of milliseconds, got {timeout_ms}")
-    return min(timeout_ms, limit) / 1000.0
-
-
-def check_answer(deployment: Deployment, answer: Any) -> None:
+def check_answer(model: str, plugin: str, answer: Any) -> None:
     """An answer must be plain JSON: a NaN or an object JSON cannot carry is the plugin's error
     (500, naming plugin, hook and where in the answer), never a silent `null`."""
     problem = _json_problem(answer, "answer")
     if problem is not None:
         raise ModelError(
-            f"model {deployment.name!r}: plugin {deployment.plugin.name!r} returned from postprocess {problem}"
+            f"model {model!r}: plugin {plugin!r} returned from postprocess {problem}"
         )
 
 

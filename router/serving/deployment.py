@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import enum
 from collections import Counter
 from collections.abc import Mapping
@@ -17,24 +16,22 @@ from router.scheduling.residency import Occupant
 from router.scheduling.scheduler import Runner
 from router.scheduling.service_time import (
     MARGIN_DEVIATIONS,
-    GateDecision,
     HalfOpenGate,
     InstanceLoad,
     Lag,
     Prediction,
-    deadline_gate,
     predict_answer,
 )
 from router.sdk.plugin import ModelPlugin
 from router.serving.instance import InstanceState, ModelInstance
+from router.serving.model_residency import Residency
 from router.serving.registry import PluginInfo
+from router.serving.rules import ModelFigures, Refusal
 
-__all__ = ["Deployment", "ModelState", "Residency", "find_deployment"]
+__all__ = ["Deployment", "ModelState", "find_deployment"]
 
 #: Expected load time of a model never loaded yet, for residency's urgency.
 DEFAULT_LOAD_S = 1.0
-#: After a failed load, an on-demand model is not tried again for this long (doubling, up to 60 s).
-LOAD_RETRY_S = 2.0
 
 
 class ModelState(enum.Enum):
@@ -48,43 +45,6 @@ class ModelState(enum.Enum):
     UNLOADING = "unloading"
     UNLOADED = "unloaded"
     FAILED = "failed"
-
-
-@dataclass
-class Residency:
-    """A model's residency bookkeeping: who holds it, who waits for it, what operators asked,
-    and what its loads and unloads cost. Written by the fleet and the request path."""
-
-    holders: int = 0  # requests in flight, from the deadline gate to the answer: a model with holders is in use
-    last_used: float = 0.0
-    waiting: list[float] = field(default_factory=list)  # deadlines of requests waiting for a load
-    held: bool = False  # an operator's load: kept resident until an operator unloads it
-    held_down: bool = False  # an operator's unload: not loaded again until an operator loads it
-    never_fits: str | None = None
-    load_error: str | None = None
-    retry_at: float = 0.0  # no new load of a failing on-demand model before this
-    retry_s: float = LOAD_RETRY_S
-    cold_start_s: float | None = None  # the last successful load's duration
-    load_started_at: float | None = None
-    loads: int = 0
-    load_failures: int = 0
-    last_load_at: float | None = None  # wall-clock time (epoch seconds)
-    last_unload_returned_bytes: int | None = None
-    evictions: Counter[str] = field(default_factory=Counter)  # by kind
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def pulse(self) -> None:
-        """Wake everyone waiting for a change (a load finished or failed, an unload ended)."""
-        self.changed.set()
-        self.changed = asyncio.Event()
-
-    def hold(self, now: float) -> None:
-        self.holders += 1
-        self.last_used = now
-
-    def release(self, now: float) -> None:
-        self.holders -= 1
-        self.last_used = now
 
 
 @dataclass
@@ -187,17 +147,42 @@ class Deployment:
         or it is a new version of a changed model on its way in."""
         return self.on_demand or self.residency.held or (self.generation > 1 and self.state is not ModelState.FAILED)
 
-    def deadline_gate(
-        self, budget_s: float, now: float, *, take_turn: bool = True, device_free_at: Mapping[str, float] | None = None,
-    ) -> GateDecision:
-        """Whether a request with `budget_s` until its deadline should be queued now."""
-        samples = [i.times.last_sample_at for i in self.instances if i.times.last_sample_at is not None]
+    def refusal(self, now: float) -> Refusal | None:
+        """Why the model takes no request now (503), or None. An on-demand model that is not
+        loaded is accepted (the request waits for its load) unless it cannot load."""
+        if self.serving:
+            return None
+        if self.waits_for_load:
+            return self.residency.refusal(self.name, self.loading, now)
+        if self.residency.held_down and (refusal := self.residency.refusal(self.name, self.loading, now)):
+            return refusal
+        reason = f": {self.error}" if self.error else ""
+        return Refusal("ModelUnavailable", f"model {self.name!r} is {self.state.value}{reason}", 5.0)
+
+    def figures(
+        self, now: float, *, refusal: Refusal | None = None, predict: bool = True,
+        device_free_at: Mapping[str, float] | None = None,
+    ) -> ModelFigures:
+        """The model as the request rules see it now (`router.serving.rules`). `refusal`: the
+        server's own (shutting down), which comes first; `predict`: compute the deadline gate's
+        prediction (it costs more than the rest)."""
+        config, queue = self.config.queue, self.queue
         free = device_free_at or {}
-        idle = self.queue.occupancy == 0 and any(not i.busy and free.get(i.device, now) <= now
-                                                 for i in self.ready_instances())
-        return deadline_gate(self.predict(now, device_free_at=device_free_at), budget_s, idle=idle,
-                                gate=self.gate, now=now, last_sample_at=max(samples, default=None),
-                                take_turn=take_turn)
+        prediction = idle = None
+        last_sample = None
+        if predict:
+            prediction = self.predict(now, device_free_at=device_free_at)
+            idle = queue.occupancy == 0 and any(not i.busy and free.get(i.device, now) <= now
+                                                for i in self.ready_instances())
+            last_sample = max((i.times.last_sample_at for i in self.instances if i.times.last_sample_at is not None),
+                              default=None)
+        return ModelFigures(
+            name=self.name, priority_levels=config.priority_levels, default_priority=config.default_priority,
+            timeout_ms=config.timeout_ms, capacity=queue.max_size, occupancy=queue.occupancy,
+            retry_after_s=queue.retry_after_s(now), refusal=refusal or self.refusal(now), prediction=prediction,
+            idle=bool(idle), half_open_at=self.gate.last_at, half_open_interval_s=self.gate.interval_s,
+            last_sample_at=last_sample, at=now,
+        )
 
     def dispatch_horizon_s(self, instance: Runner, size: int, now: float) -> float:
         """Time from dispatch to answer of a batch of `size` on `instance`, with the deadline gate's margin:

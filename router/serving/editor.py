@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -29,8 +29,8 @@ from pydantic import ValidationError
 from router.config import FleetConfig, format_validation_error
 from router.errors import ConfigError, ModelDoesNotFit, ModelUnavailable
 from router.scheduling.queue import reject
-from router.scheduling.scheduler import DeviceScheduler
-from router.serving.deployment import Deployment, find_deployment
+from router.serving.deployment import Deployment
+from router.serving.fleet_state import FleetState
 from router.serving.instance import InstanceState
 from router.serving.loading import load_instance
 from router.serving.plan import FleetPlan, load_plan, resolve_fleet
@@ -58,29 +58,27 @@ class ReloadReport:
 
 
 class FleetEditor:
-    """The fleet editor: the admin verbs. They change `deployments` (shared with the runtime) and
-    drive the residency executor."""
+    """The fleet editor: the admin verbs. They change the fleet (through `FleetState`'s methods)
+    and drive the residency executor."""
 
     def __init__(
         self,
         plan: FleetPlan,
-        deployments: MutableMapping[str, Deployment],
-        schedulers: Mapping[str, DeviceScheduler],
+        fleet: FleetState,
         residency: ResidencyExecutor,
         build: Builder,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.plan = plan
-        self._deployments = deployments
-        self._schedulers = schedulers
+        self._fleet = fleet
         self._residency = residency
         self._build = build
         self._clock = clock
         self._lock = asyncio.Lock()
-        self._generations = {name: 1 for name in deployments}
+        self._generations = {d.name: d.generation for d in fleet}
 
     def _deployment(self, name: str) -> Deployment:
-        return find_deployment(self._deployments, name)
+        return self._fleet.get(name)
 
     # -- load and unload ------------------------------------------------------------------------
 
@@ -91,9 +89,7 @@ class FleetEditor:
     async def _load(self, deployment: Deployment) -> None:
         """Ask residency to load every instance and keep it; wait until it serves or cannot."""
         res = deployment.residency
-        res.held, res.held_down = True, False
-        res.load_error, res.never_fits, res.retry_at = None, None, 0.0
-        res.pulse()
+        res.operator_load()
         self._residency.notify(deployment)
         limit = self._clock() + deployment.config.load_timeout_ms / 1000 * max(1, len(deployment.instances))
         while not all(i.state in (InstanceState.READY, InstanceState.FENCED) for i in deployment.instances):
@@ -112,9 +108,7 @@ class FleetEditor:
     async def unload(self, name: str) -> list[UnloadReport]:
         async with self._lock:
             deployment = self._deployment(name)
-            res = deployment.residency
-            res.held, res.held_down = False, True
-            res.pulse()  # requests waiting for a load get 503 now
+            deployment.residency.operator_unload()  # requests waiting for a load get 503 now
             return await self._unload(deployment, "admin", "unloaded by an operator")
 
     async def release(self, name: str, unload: bool) -> list[UnloadReport]:
@@ -124,8 +118,7 @@ class FleetEditor:
         async with self._lock:
             deployment = self._deployment(name)
             res = deployment.residency
-            res.held = False
-            res.pulse()
+            res.let_go()
             self._residency.notify(deployment)
             if not unload or not deployment.on_demand or res.holders or deployment.queue.occupancy:
                 return []
@@ -137,8 +130,7 @@ class FleetEditor:
             await changed.wait()
         loaded = [i for i in deployment.instances if i.loaded]
         for instance in loaded:
-            deployment.residency.evictions[kind] += 1
-            self._residency.telemetry.observe_eviction(deployment.name, instance.device, kind)
+            self._residency.count_eviction(deployment, instance, kind)
         reports = await asyncio.gather(*(self._residency.unload_instance(deployment, i, f"{kind}: {why}") for i in loaded))
         for ticket in deployment.queue.withdraw_all():
             reject(ticket, ModelUnavailable(f"model {deployment.name!r} was {why}", retry_after_s=5.0))
@@ -154,7 +146,7 @@ class FleetEditor:
 
     async def delete(self, name: str) -> None:
         async with self._lock:
-            deployment = self._deployments.pop(self._deployment(name).name)
+            deployment = self._fleet.remove(name)
             self.plan = replace(self.plan, models={k: v for k, v in self.plan.models.items() if k != name},
                                 fleet=self.plan.fleet.model_copy(update={"models": {
                                     k: v for k, v in self.plan.fleet.models.items() if k != name}}))
@@ -165,8 +157,8 @@ class FleetEditor:
         async with self._lock:
             target = load_plan(path)
             report = ReloadReport(warnings=self._device_warnings(target.fleet))
-            for name in sorted(set(self._deployments) - set(target.models)):
-                deployment = self._deployments.pop(name)
+            for name in sorted(set(self._fleet.deployments) - set(target.models)):
+                deployment = self._fleet.remove(name)
                 await self._retire(deployment, "removed", "removed from the fleet file")
                 report.removed.append(name)
             self.plan = replace(self.plan, source=target.source, models={
@@ -189,7 +181,7 @@ class FleetEditor:
         warnings = []
         for device, config in fleet.devices.items():
             current = self.plan.fleet.devices.get(device)
-            if current is None and device not in self._schedulers:
+            if current is None and device not in self._fleet.schedulers:
                 warnings.append(f"device {device} is new: add it with a restart")
             elif current is not None and current != config:
                 warnings.append(f"device {device}'s settings changed: they take effect at the next restart")
@@ -211,12 +203,12 @@ class FleetEditor:
 
     def _check_devices(self, name: str, fleet: FleetConfig, source: str) -> None:
         for device in fleet.models[name].instance_devices:
-            if device not in self._schedulers:
+            if device not in self._fleet.schedulers:
                 raise ConfigError(f"{source}: models.{name}: device {device} is not serving here "
                                   "(devices start with the process: add it to the fleet file and restart)")
 
     async def _apply(self, name: str, plan: FleetPlan) -> str:
-        current = self._deployments.get(name)
+        current = self._fleet.deployments.get(name)
         wanted = plan.models[name]
         if current is not None and current.config == plan.fleet.models[name] and current.options == wanted.options:
             return "unchanged"
@@ -225,12 +217,12 @@ class FleetEditor:
         generation = self._generations.get(name, 0) + 1
         self._generations[name] = generation
         new = self._build(name, self.plan, generation)
-        self._attach(new)
+        self._fleet.attach(new)
         if current is None:
-            self._deployments[name] = new
+            self._fleet.put(new)
             if not new.on_demand:
                 await self._load(new)
-                new.residency.held = False
+                new.residency.let_go()
             log.info("model %s added", name, extra={"model": name})
             return "added"
         await self._replace(current, new)
@@ -239,43 +231,43 @@ class FleetEditor:
 
     async def _replace(self, old: Deployment, new: Deployment) -> None:
         """Swap in a new version with no request failing; fall back to the old one on failure."""
-        self._residency.retire(old)
+        self._fleet.retire(old)
         if any(i.loaded for i in old.instances) and not new.on_demand:
             beside = await self._load_beside(new)
             if beside is True:
-                self._deployments[new.name] = new
+                self._fleet.put(new)
                 await self._retire(old, "replaced", "replaced by a new version")
                 return
             if beside is not None:  # the new version failed; the old one never stopped serving
-                self._detach(new)
+                self._fleet.detach(new)
                 raise ModelUnavailable(f"the new version of model {new.name!r} failed to load ({beside}); "
                                        "the old version keeps serving")
         # No room beside the old version (or nothing to keep warm): the old one finishes and goes first.
-        self._deployments[new.name] = new
+        self._fleet.put(new)
         await self._retire(old, "replaced", "replaced by a new version", detach=False)
         if new.on_demand:
-            self._detach(old)
+            self._fleet.detach(old)
             return
         try:
             await self._load(new)
-            new.residency.held = False
+            new.residency.let_go()
         except Exception as exc:
             log.error("model %s: the new version failed to load (%s); bringing the old one back", new.name, exc,
                       extra={"model": new.name})
-            self._deployments[new.name] = old
-            self._detach(new)
-            old.residency.held_down = False
+            self._fleet.put(old)
+            self._fleet.detach(new)
+            old.residency.allow_loads()
             await self._load(old)
-            old.residency.held = False
+            old.residency.let_go()
             raise ModelUnavailable(f"the new version of model {new.name!r} failed to load ({exc}); "
                                    "the old version serves again") from exc
-        self._detach(old)
+        self._fleet.detach(old)
 
     async def _load_beside(self, new: Deployment) -> bool | str | None:
         """Load the new version's instances while the old one serves. True when done, None when
         there is no room beside the old one, else the error."""
         for instance in new.instances:
-            scheduler = self._schedulers[instance.device]
+            scheduler = self._fleet.schedulers[instance.device]
             ok = await load_instance(new, instance, scheduler, may_wait=True)
             if ok:
                 continue
@@ -288,21 +280,10 @@ class FleetEditor:
 
     async def _retire(self, deployment: Deployment, kind: str, why: str, *, detach: bool = True) -> None:
         """Let a model that no longer takes requests answer what it accepted, then unload it."""
-        self._residency.retire(deployment)
+        self._fleet.retire(deployment)
         limit = self._clock() + (deployment.config.queue.timeout_ms + deployment.config.execution.timeout_ms) / 1000
         while deployment.residency.holders > 0 and self._clock() < limit:
             await asyncio.sleep(POLL_S)
         await self._unload(deployment, kind, why)
         if detach:
-            self._detach(deployment)
-
-    def _attach(self, deployment: Deployment) -> None:
-        for instance in deployment.instances:
-            self._schedulers[instance.device].attach(deployment, instance)
-
-    def _detach(self, deployment: Deployment) -> None:
-        for instance in deployment.instances:
-            scheduler = self._schedulers.get(instance.device)
-            if scheduler is not None:
-                scheduler.detach(instance)
-            self._residency.forget(instance.key)
+            self._fleet.detach(deployment)

@@ -1,7 +1,8 @@
 """A model instance: one plugin object on one device, with a dedicated executor thread.
 
-The instance runs one batch at a time. It resolves every ticket it is handed: with a result,
-or with a RouterError (model error 500, out-of-memory 503, execution timeout 504).
+The instance runs one batch at a time. For every ticket it is handed it returns, in a
+`BatchResult`, an output or a RouterError (model error 500, out-of-memory 503, execution
+timeout 504); its scheduler resolves the tickets from it.
 
 It is the one owner of its lifecycle: the state changes only through the transition methods
 below, each checked against `TRANSITIONS` and logged once.
@@ -24,7 +25,7 @@ from router.errors import (
     ExecutionTimeout,
     ModelError,
 )
-from router.scheduling.queue import Ticket, reject, resolve
+from router.scheduling.queue import BatchResult, Ticket
 from router.scheduling.service_time import BatchTime, InstanceLoad
 from router.sdk.plugin import MemoryEstimate, ModelPlugin
 
@@ -207,15 +208,19 @@ class ModelInstance:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, fn, *args)
 
-    async def execute(self, tickets: Sequence[Ticket]) -> None:
-        """Run one batch. Tickets whose future is already done (client gone) are dropped first."""
+    async def execute(self, tickets: Sequence[Ticket]) -> BatchResult:
+        """Run one batch. Tickets whose future is already done (client gone) are dropped first.
+        Every ticket that ran has an output or an error in the result."""
         live = [t for t in tickets if not t.future.done()]
-        try:
-            if live:
-                await self._run_split(live)
-        finally:
-            for ticket in live:  # every ticket is answered, whatever happened above
-                reject(ticket, ModelError(f"model {self.model!r}: batch ended without an answer"))
+        outputs: list[tuple[Ticket, Any]] = []
+        errors: list[tuple[Ticket, BaseException]] = []
+        started = time.perf_counter()
+        if live:
+            await self._run_split(live, outputs, errors)
+        answered = {id(t) for t, _ in outputs} | {id(t) for t, _ in errors}
+        errors += [(t, ModelError(f"model {self.model!r}: batch ended without an answer"))
+                   for t in live if id(t) not in answered]
+        return BatchResult(outputs, errors, len(live), time.perf_counter() - started)
 
     async def wait_idle(self) -> None:
         """Return once the thread has really finished its last batch (a stalled one included)."""
@@ -226,44 +231,39 @@ class ModelInstance:
         """Stop the thread (at process exit; an unloaded instance may load again until then)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _run_split(self, tickets: Sequence[Ticket]) -> None:
+    async def _run_split(self, tickets: Sequence[Ticket], outputs: list[tuple[Ticket, Any]],
+                         errors: list[tuple[Ticket, BaseException]]) -> None:
         """Predict; on out-of-memory free the cache and retry each half; one item that still fails gets 503."""
         try:
-            outputs, elapsed = await self._predict([t.item for t in tickets])
+            results = await self._predict([t.item for t in tickets])
         except ExecutionTimeout as exc:
-            for ticket in tickets:
-                reject(ticket, exc)
+            errors += [(t, exc) for t in tickets]
             return
         except Exception as exc:
             if not is_out_of_memory(exc):
                 log.exception("model %s failed on a batch of %d", self.model, len(tickets))
                 error = ModelError(f"model {self.model!r} failed: {type(exc).__name__}: {exc}")
-                for ticket in tickets:
-                    reject(ticket, error)
+                errors += [(t, error) for t in tickets]
                 return
             await self._free_cache()
             if len(tickets) == 1:
                 oom = DeviceOutOfMemory(f"model {self.model!r} ran out of memory on a single input", retry_after_s=1.0)
-                reject(tickets[0], oom)
+                errors.append((tickets[0], oom))
                 return
             log.warning("model %s out of memory on a batch of %d; retrying as two halves", self.model, len(tickets))
             middle = len(tickets) // 2
-            await self._run_split(tickets[:middle])
-            await self._run_split(tickets[middle:])
+            await self._run_split(tickets[:middle], outputs, errors)
+            await self._run_split(tickets[middle:], outputs, errors)
             return
-        if len(outputs) != len(tickets):
-            error = BatchSizeMismatch(
-                f"model {self.model!r} returned {len(outputs)} outputs for a batch of {len(tickets)}"
+        if len(results) != len(tickets):
+            mismatch = BatchSizeMismatch(
+                f"model {self.model!r} returned {len(results)} outputs for a batch of {len(tickets)}"
             )
-            for ticket in tickets:
-                reject(ticket, error)
+            errors += [(t, mismatch) for t in tickets]
             return
-        for ticket, output in zip(tickets, outputs):
-            ticket.batch_size = len(tickets)
-            ticket.execution_s = elapsed
-            resolve(ticket, output)
+        outputs += zip(tickets, results, strict=True)
 
-    async def _predict(self, items: list[Any]) -> tuple[Sequence[Any], float]:
+    async def _predict(self, items: list[Any]) -> Sequence[Any]:
         if self._inflight is not None and not self._inflight.done():
             raise ExecutionTimeout(f"model {self.model!r} instance {self.index} is stalled by an earlier batch")
         loop = asyncio.get_running_loop()
@@ -286,7 +286,7 @@ class ModelInstance:
         self.times.observe(len(items), elapsed, self._clock())
         if self._on_batch is not None:
             self._on_batch(self.model, len(items), elapsed)
-        return outputs, elapsed
+        return outputs  # type: ignore[no-any-return]
 
     def _recover(self) -> None:
         if self._state is InstanceState.FENCED:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
 from router.errors import ModelDoesNotFit, ModelUnavailable
 from router.scheduling.scheduler import DeviceScheduler
 from router.serving.deployment import Deployment
+from router.serving.fleet_state import FleetState
 from router.serving.instance import InstanceState, ModelInstance
 from router.serving.loading import load_instance
 from router.serving.memory import give_back_memory
@@ -50,46 +51,15 @@ class UnloadReport:
 class ResidencyExecutor:
     """Carries out residency plans for every device scheduler, and the admin verbs' loads and unloads."""
 
-    def __init__(
-        self,
-        deployments: Mapping[str, Deployment],
-        schedulers: Mapping[str, DeviceScheduler],
-        telemetry: Telemetry,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._deployments = deployments
-        self._schedulers = schedulers
+    def __init__(self, fleet: FleetState, telemetry: Telemetry, clock: Callable[[], float] = time.monotonic) -> None:
+        self._fleet = fleet
         self.telemetry = telemetry
         self._clock = clock
         self._tasks: set[asyncio.Task[object]] = set()
-        self._retired: dict[str, tuple[Deployment, ModelInstance]] = {}  # old generations still draining
-
-    # -- lookups ------------------------------------------------------------------------------
-
-    def _find(self, key: str) -> tuple[Deployment, ModelInstance]:
-        for deployment in self._deployments.values():
-            for instance in deployment.instances:
-                if instance.key == key:
-                    return deployment, instance
-        if key in self._retired:
-            return self._retired[key]
-        raise KeyError(f"no instance {key!r}")
-
-    def retire(self, deployment: Deployment) -> None:
-        """Keep an old generation findable while it drains after being replaced or removed."""
-        for instance in deployment.instances:
-            self._retired[instance.key] = (deployment, instance)
-
-    def forget(self, key: str) -> None:
-        """An old generation's instance is gone for good."""
-        self._retired.pop(key, None)
 
     def notify(self, deployment: Deployment) -> None:
         """Wake the schedulers of the model's devices (its residency may need a decision)."""
-        for device in {i.device for i in deployment.instances}:
-            scheduler = self._schedulers.get(device)
-            if scheduler is not None:
-                scheduler.notify()
+        self._fleet.notify(deployment)
 
     def _spawn(self, work: Coroutine[Any, Any, object], name: str) -> None:
         task = asyncio.create_task(work, name=name)
@@ -104,29 +74,30 @@ class ResidencyExecutor:
     # -- residency actions (called by the schedulers' step, on the event loop) ------------------
 
     def start_load(self, runner_key: str) -> None:
-        deployment, instance = self._find(runner_key)
+        deployment, instance = self._fleet.find_instance(runner_key)
         instance.begin_load()  # at once: the next plan sees it loading (single flight)
-        deployment.residency.load_started_at = self._clock()
+        deployment.residency.load_started(self._clock())
         self._spawn(self._load(deployment, instance), f"load-{runner_key}")
 
     def start_unload(self, runner_key: str, kind: str, detail: str) -> None:
-        deployment, instance = self._find(runner_key)
+        deployment, instance = self._fleet.find_instance(runner_key)
         instance.begin_drain()  # at once: no new batch for it
-        deployment.residency.evictions[kind] += 1
-        self.telemetry.observe_eviction(deployment.name, instance.device, kind)
+        self.count_eviction(deployment, instance, kind)
         self._spawn(self.unload_instance(deployment, instance, f"{kind}: {detail}"), f"unload-{runner_key}")
 
+    def count_eviction(self, deployment: Deployment, instance: ModelInstance, kind: str) -> None:
+        deployment.residency.evicted(kind)
+        self.telemetry.observe_eviction(deployment.name, instance.device, kind)
+
     def cannot_load(self, runner_key: str, reason: str) -> None:
-        deployment, _ = self._find(runner_key)
-        if deployment.residency.never_fits is None:
+        deployment, _ = self._fleet.find_instance(runner_key)
+        if deployment.residency.never_fits is None and deployment.residency.cannot_fit(reason):
             log.error("%s", reason, extra={"model": deployment.name})
-            deployment.residency.never_fits = reason
-            deployment.residency.pulse()
 
     # -- loading ------------------------------------------------------------------------------
 
     async def _load(self, deployment: Deployment, instance: ModelInstance) -> None:
-        scheduler = self._schedulers[instance.device]
+        scheduler = self._fleet.schedulers[instance.device]
         res = deployment.residency
         started = self._clock()
         try:
@@ -138,25 +109,16 @@ class ResidencyExecutor:
             ok = False
             instance.fail(f"load exceeded load_timeout_ms={deployment.config.load_timeout_ms}")
         seconds = self._clock() - started
-        res.load_started_at = None
         if ok or instance.state is not InstanceState.UNLOADED:
             self.telemetry.observe_load(deployment.name, instance.device, seconds, ok)
         if ok:
-            res.loads += 1
-            res.cold_start_s = seconds
-            res.last_load_at = time.time()
-            res.load_error, res.retry_s = None, 2.0
+            res.load_succeeded(seconds)
         elif instance.state is InstanceState.UNLOADED:  # sized now; waits for room
-            pass
+            res.load_postponed()
         elif isinstance(instance.cause, ModelDoesNotFit):  # sized now: it never fits here
-            res.never_fits = str(instance.cause)
-            res.load_error = instance.error
+            res.cannot_fit(str(instance.cause), instance.error)
         else:
-            res.load_failures += 1
-            res.load_error = instance.error
-            res.retry_at = self._clock() + res.retry_s
-            res.retry_s = min(60.0, res.retry_s * 2)
-        res.pulse()
+            res.load_failed(instance.error, self._clock())
         scheduler.notify()
 
     async def until_serving(self, deployment: Deployment, deadline: float) -> float:
@@ -165,17 +127,19 @@ class ResidencyExecutor:
         waited."""
         res = deployment.residency
         started = self._clock()
-        res.waiting.append(deadline)
+        res.wait_for_load(deadline)
         self.notify(deployment)
         try:
             while not deployment.serving:
-                self.check_loadable(deployment)
+                refusal = res.refusal(deployment.name, deployment.loading, self._clock())
+                if refusal is not None:
+                    raise refusal.error()
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     raise ModelUnavailable(
                         f"model {deployment.name!r} is still loading after {(self._clock() - started) * 1000:.0f} ms, "
                         "past this request's deadline; retry shortly",
-                        retry_after_s=self._load_left_s(deployment),
+                        retry_after_s=res.load_left_s(self._clock()),
                     )
                 changed = res.changed
                 try:
@@ -183,36 +147,15 @@ class ResidencyExecutor:
                 except TimeoutError:
                     continue
         finally:
-            res.waiting.remove(deadline)
+            res.stop_waiting(deadline)
         return self._clock() - started
-
-    def check_loadable(self, deployment: Deployment) -> None:
-        """Raise the 503 that answers a request for a model that cannot load now."""
-        res = deployment.residency
-        if res.never_fits is not None:
-            raise ModelDoesNotFit(res.never_fits)
-        if res.held_down:
-            raise ModelUnavailable(
-                f"model {deployment.name!r} was unloaded by an operator; load it with POST /models/{deployment.name}/load",
-                retry_after_s=30.0,
-            )
-        if res.load_error is not None and not deployment.loading and self._clock() < res.retry_at:
-            raise ModelUnavailable(f"model {deployment.name!r} failed to load: {res.load_error}",
-                                   retry_after_s=res.retry_at - self._clock())
-
-    def _load_left_s(self, deployment: Deployment) -> float:
-        res = deployment.residency
-        expected = res.cold_start_s or 1.0
-        if res.load_started_at is None:
-            return expected
-        return max(1.0, res.load_started_at + expected - self._clock())
 
     # -- unloading ----------------------------------------------------------------------------
 
     async def unload_instance(self, deployment: Deployment, instance: ModelInstance, why: str) -> UnloadReport:
         """Drain (if not yet), wait for the running batch, unload, give the memory back, release
         the ledger once the probe shows it back (or after a bounded wait)."""
-        scheduler = self._schedulers.get(instance.device)
+        scheduler = self._fleet.scheduler_of(instance)
         if instance.state is InstanceState.READY or instance.state is InstanceState.FENCED:
             instance.begin_drain()
         await instance.until_batch_done()
@@ -229,17 +172,16 @@ class ResidencyExecutor:
             if scheduler is not None:
                 scheduler.release_weights(instance)
             instance.fail(f"unload raised {type(exc).__name__}: {exc}")
-            deployment.residency.pulse()
+            deployment.residency.unload_failed()
             raise
         returned = await self._memory_back(scheduler, before, booked) if scheduler is not None else None
         if scheduler is not None:
             scheduler.release_weights(instance)
         instance.mark_unloaded()
-        deployment.residency.last_unload_returned_bytes = returned
         log.info("model %s instance %d unloaded from %s (%s): %s of %d booked bytes returned", deployment.name,
                  instance.index, instance.device, why, "unmeasured" if returned is None else returned, booked,
                  extra={"model": deployment.name, "booked_bytes": booked, "returned_bytes": returned})
-        deployment.residency.pulse()
+        deployment.residency.unloaded(returned)
         if scheduler is not None:
             scheduler.notify()
         return UnloadReport(deployment.name, instance.key, booked, returned)

@@ -2,10 +2,13 @@
 
 Callers use its verbs and read its snapshots: `submit` and `precheck` on the request path,
 `models()`, `model()`, `devices()` and `ready` to look, `begin_drain`/`drain`, `start`/`stop`.
-Nothing outside `router.serving` touches the deployments, instances or schedulers behind it.
+Nothing outside `router.serving` touches the deployments, instances or schedulers behind it;
+the engine process of a split host (`router.host.engine`) uses the request path's lower verbs
+(`intake`, `until_serving`) for items that front processes prepared.
 
-`submit` is the whole life of one request: check, preprocess on the CPU pool, queue, wait for
-its batch (or its deadline), postprocess. Every accepted request is answered exactly once.
+`submit` is the whole life of one request in one process: the rules (`router.serving.rules`),
+preprocess (`router.serving.hooks`), queue, wait for its batch (or its deadline), postprocess.
+Every accepted request is answered exactly once.
 """
 
 from __future__ import annotations
@@ -16,41 +19,36 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from router.config import FleetConfig
-from router.errors import (
-    DeadlineExceeded,
-    ModelError,
-    ModelUnavailable,
-    RouterError,
-    ShuttingDown,
-    outcome_of,
-)
+from router.errors import DeadlineExceeded, RouterError, ShuttingDown, outcome_of
 from router.scheduling.probes import MemoryProbe, make_probe
-from router.scheduling.queue import ModelQueue, Ticket, reject
+from router.scheduling.queue import ModelQueue, Served, Ticket
 from router.scheduling.scheduler import DeviceScheduler
 from router.sdk.plugin import Payload, PluginContext
-from router.serving.checks import check_answer, check_deadline_gate, check_media_type, check_priority, check_timeout
-from router.serving.deployment import Deployment, find_deployment
+from router.serving.checks import check_answer, check_media_type
+from router.serving.deployment import Deployment
 from router.serving.editor import FleetEditor, ReloadReport
+from router.serving.fleet_state import FleetState
+from router.serving.hooks import HookRunner
 from router.serving.inflight import InFlight
 from router.serving.instance import ModelInstance
+from router.serving.intake import SHUTTING_DOWN, Accepted, Intake
 from router.serving.isolation import RemotePlugin
 from router.serving.loading import load_deployment
 from router.serving.plan import FleetPlan
 from router.serving.residency_executor import ResidencyExecutor, UnloadReport
+from router.serving.rules import Terms
 from router.serving.snapshots import DeviceInfo, ModelInfo, device_info, model_info
 from router.serving.telemetry import Telemetry, TelemetryFanout
 
 __all__ = ["Answer", "Runtime"]
 
 log = logging.getLogger("router.serving.runtime")
-T = TypeVar("T")
 ProbeFactory = Callable[[str, str], "MemoryProbe | None"]
 #: `precheck` leaves the wait prediction to `submit` for bodies announced at most this size.
 PRECHECK_WAIT_MIN_BYTES = 64 * 1024
@@ -86,20 +84,17 @@ class Runtime:
         if telemetry is not None:
             self.telemetry.sinks.append(telemetry)
         self._probe_factory = probe_factory
-        self._cpu = ThreadPoolExecutor(cpu_workers or os.cpu_count() or 1, thread_name_prefix="router-cpu")
-        self._schedulers: dict[str, DeviceScheduler] = {}
-        self._device_errors: dict[str, str] = {}
-        self._deployments: dict[str, Deployment] = {}
-        self._tickets: set[Ticket] = set()
+        self.hooks = HookRunner(cpu_workers or os.cpu_count() or 1, clock=clock)
+        self._state = FleetState()
+        self.intake = Intake(self._state, clock)
         self._inflight = InFlight()
         self._draining = False
-        self._closed = False
         self._load_task: asyncio.Task[None] | None = None
         self._plugin_extra = dict(plugin_extra or {})
-        self._residency = ResidencyExecutor(self._deployments, self._schedulers, self.telemetry, self.clock)
+        self._residency = ResidencyExecutor(self._state, self.telemetry, self.clock)
         for name in self.plan.models:
-            self._deployments[name] = self._build(name, self.plan, 1)
-        self._editor = FleetEditor(plan, self._deployments, self._schedulers, self._residency, self._build, self.clock)
+            self._state.put(self._build(name, self.plan, 1))
+        self._editor = FleetEditor(plan, self._state, self._residency, self._build, self.clock)
 
     # -- construction and lifecycle ---------------------------------------------------------
 
@@ -132,16 +127,14 @@ class Runtime:
                 scheduler = DeviceScheduler(device, config, probe, clock=self.clock)
                 scheduler.resolve_budget()
             except Exception as exc:
-                self._device_errors[device] = f"{type(exc).__name__}: {exc}"
+                self._state.device_failed(device, f"{type(exc).__name__}: {exc}")
                 log.error("device %s unavailable: %s", device, exc)
                 continue
-            self._schedulers[device] = scheduler
+            self._state.add_device(device, scheduler)
             scheduler.set_actions(self._residency)
             scheduler.start()
-        for deployment in self._deployments.values():
-            for instance in deployment.instances:
-                if instance.device in self._schedulers:
-                    self._schedulers[instance.device].attach(deployment, instance)
+        for deployment in self._state:
+            self._state.attach(deployment)
         self._load_task = asyncio.create_task(self.load_all(), name="load-models")
 
     def add_telemetry(self, sink: Telemetry) -> None:
@@ -151,25 +144,25 @@ class Runtime:
     # -- snapshots --------------------------------------------------------------------------
 
     def model_names(self) -> list[str]:
-        return list(self._deployments)
+        return list(self._state.deployments)
 
     def models(self) -> list[ModelInfo]:
         now = self.clock()
-        return [model_info(d, now) for d in self._deployments.values()]
+        return [model_info(d, now) for d in self._state]
 
     def model(self, name: str) -> ModelInfo:
         """One model's snapshot; ModelNotFound (404) for an unknown name."""
-        return model_info(self._deployment(name), self.clock())
+        return model_info(self._state.get(name), self.clock())
 
     def is_serving(self, name: str) -> bool:
         """The model has an instance serving now (False for an unknown name); cheaper than `model()`."""
-        deployment = self._deployments.get(name)
+        deployment = self._state.deployments.get(name)
         return deployment is not None and deployment.serving
 
     def devices(self) -> list[DeviceInfo]:
         """Every configured device: budget, live reading and ledger, or why it is unavailable."""
-        infos = [device_info(s) for s in self._schedulers.values()]
-        infos += [DeviceInfo(name, available=False, error=error) for name, error in self._device_errors.items()]
+        infos = [device_info(s) for s in self._state.schedulers.values()]
+        infos += [DeviceInfo(name, available=False, error=error) for name, error in self._state.device_errors.items()]
         return infos
 
     @property
@@ -213,7 +206,7 @@ class Runtime:
 
     async def load_all(self) -> None:
         """Load every always-resident model (on-demand ones load with their first request)."""
-        await asyncio.gather(*(self._load(d) for d in self._deployments.values() if not d.on_demand))
+        await asyncio.gather(*(self._load(d) for d in self._state if not d.on_demand))
         # Everything loaded so far (frameworks, weights) lives as long as the process: keep the
         # cyclic collector from scanning it, or each full collection stalls the event loop.
         gc.freeze()
@@ -223,18 +216,16 @@ class Runtime:
             await asyncio.shield(self._load_task)
 
     async def _load(self, deployment: Deployment) -> None:
-        await load_deployment(deployment, self._schedulers, self._device_errors)
-        for instance in deployment.instances:
-            if instance.device in self._schedulers:
-                self._schedulers[instance.device].notify()
+        await load_deployment(deployment, self._state.schedulers, self._state.device_errors)
+        self._state.notify(deployment)
 
     @property
     def ready(self) -> bool:
         """Every required model loaded, warmed and serving, no load in progress, not shutting down."""
         if self._draining:
             return False
-        required = [d for d in self._deployments.values() if d.config.is_required]
-        return all(d.serving for d in required) and all(d.settled for d in self._deployments.values())
+        deployments = list(self._state)
+        return all(d.serving for d in deployments if d.config.is_required) and all(d.settled for d in deployments)
 
     @property
     def draining(self) -> bool:
@@ -245,6 +236,7 @@ class Runtime:
         if not self._draining:
             log.info("draining: new requests are refused; %d request(s) in flight", self._inflight.count)
         self._draining = True
+        self.intake.closing = True
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new work, let queued and running work finish, then answer whatever is left with 503."""
@@ -253,12 +245,8 @@ class Runtime:
         try:
             await self._inflight.until_idle(timeout_s)
         except TimeoutError:
-            log.warning("drain timeout: answering %d remaining request(s) with 503", len(self._tickets))
-        self._closed = True
-        for ticket in list(self._tickets):
-            for deployment in self._deployments.values():
-                deployment.queue.withdraw(ticket)
-            reject(ticket, ShuttingDown("server is shutting down"))
+            log.warning("drain timeout: answering %d remaining request(s) with 503", len(self.intake.tickets))
+        self.intake.answer_all(ShuttingDown("server is shutting down"))
         try:
             await self._inflight.until_idle(5.0)
         except TimeoutError:
@@ -268,9 +256,9 @@ class Runtime:
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
         await self._residency.stop()
-        for scheduler in self._schedulers.values():
+        for scheduler in self._state.schedulers.values():
             await scheduler.stop()
-        for deployment in self._deployments.values():
+        for deployment in self._state:
             for instance in deployment.instances:
                 if instance.loaded:
                     try:
@@ -278,12 +266,9 @@ class Runtime:
                     except Exception:
                         log.exception("unloading %s failed", instance.key)
                 instance.shutdown()
-        self._cpu.shutdown(wait=False, cancel_futures=True)
+        self.hooks.shutdown()
 
     # -- the request path -------------------------------------------------------------------
-
-    def _deployment(self, name: str) -> Deployment:
-        return find_deployment(self._deployments, name)
 
     def precheck(
         self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
@@ -296,23 +281,21 @@ class Runtime:
         hold is 413). A body announced as at most PRECHECK_WAIT_MIN_BYTES costs less to read than
         the wait prediction, which `submit` makes anyway: for it that one is left to `submit`.
         Takes nothing: `submit` decides again, item by item."""
-        deployment = self._deployment(model)
+        deployment = self._state.get(model)
         now = self.clock()
         started = now if received_at is None else min(received_at, now)
+        gate = body_bytes is None or body_bytes > PRECHECK_WAIT_MIN_BYTES
         try:
-            self._check_accepting(deployment)
-            check_priority(deployment, priority)
-            budget_s = check_timeout(deployment, timeout_ms) - (now - started)
-            deployment.queue.check_room(now, items)
-            if body_bytes is None or body_bytes > PRECHECK_WAIT_MIN_BYTES:
-                check_deadline_gate(deployment, budget_s, now, take_turn=False, device_free_at=self._free_at(now))
+            self.intake.check(deployment, Terms(model, started, priority, timeout_ms, items), gate=gate)
         except RouterError as exc:
-            self._count(deployment, outcome_of(exc), started)
+            self._count(deployment.name, outcome_of(exc), started)
             raise
 
-    def _count(self, deployment: Deployment, outcome: str, started: float) -> None:
-        deployment.outcomes[outcome] += 1
-        self.telemetry.observe_request(deployment.name, outcome, self.clock() - started)
+    def _count(self, model: str, outcome: str, started: float) -> None:
+        deployment = self._state.deployments.get(model)
+        if deployment is not None:
+            deployment.outcomes[outcome] += 1
+        self.telemetry.observe_request(model, outcome, self.clock() - started)
 
     async def submit(
         self,
@@ -326,150 +309,80 @@ class Runtime:
     ) -> Answer:
         """Run one input through a model. Raises a RouterError subclass on any failure.
         The deadline counts from `received_at` (the runtime's clock) when the caller knows it."""
-        deployment = self._deployment(model)
+        deployment = self._state.get(model)
         request_id = request_id or uuid.uuid4().hex
         started = self.clock() if received_at is None else min(received_at, self.clock())
-        with self._inflight.request(lambda outcome: self._count(deployment, outcome, started)):
-            answer = await self._submit(deployment, payload, priority, timeout_ms, request_id, started)
-            self.telemetry.observe_answer(deployment.name, self.clock() - started, check_timeout(deployment, timeout_ms))
+        terms = Terms(deployment.name, started, priority, timeout_ms)
+        with self._inflight.request(lambda outcome: self._count(deployment.name, outcome, started)):
+            admission = self.intake.check(deployment, terms)
+            check_media_type(deployment.name, deployment.plugin.cls.accepts, payload)
+            accepted = self.intake.commit(deployment, admission)
+            try:
+                answer = await self._held(accepted, payload, request_id)
+            finally:
+                self.intake.release(accepted)
+            self.telemetry.observe_answer(deployment.name, self.clock() - started, admission.deadline - started)
             return answer
 
-    async def _submit(
-        self, deployment: Deployment, payload: Payload, priority: int | None,
-        timeout_ms: float | None, request_id: str, started: float,
-    ) -> Answer:
-        self._check_accepting(deployment)
-        check_media_type(deployment, payload)
-        level = check_priority(deployment, priority)
-        deadline = started + check_timeout(deployment, timeout_ms)
-        queue = deployment.queue
-        now = self.clock()
-        measure = check_deadline_gate(deployment, deadline - now, now, device_free_at=self._free_at(now))
-        queue.reserve_slot(started)
-        deployment.residency.hold(now)  # in use: not evicted until answered
-        try:
-            return await self._held(deployment, payload, level, deadline, measure, request_id, started)
-        finally:
-            deployment.residency.release(self.clock())
-            if deployment.residency.holders == 0:
-                self._notify(deployment)  # no longer in use: residency may act on it
+    async def until_serving(self, accepted: Accepted) -> None:
+        """An admitted request for a model that is not loaded waits for its load (counted in its queue)."""
+        deployment = accepted.deployment
+        if not deployment.serving:
+            waited = await self._residency.until_serving(deployment, accepted.admission.deadline)
+            self.telemetry.observe_cold_wait(deployment.name, waited)
 
-    async def _held(
-        self, deployment: Deployment, payload: Payload, level: int, deadline: float, measure: bool,
-        request_id: str, started: float,
-    ) -> Answer:
-        queue = deployment.queue
+    async def _held(self, accepted: Accepted, payload: Payload, request_id: str) -> Answer:
+        deployment, deadline = accepted.deployment, accepted.admission.deadline
         try:
-            if not deployment.serving:  # an on-demand model: wait for its load (counted in its queue)
-                waited = await self._residency.until_serving(deployment, deadline)
-                self.telemetry.observe_cold_wait(deployment.name, waited)
+            await self.until_serving(accepted)
             plugin = deployment.front
-            item = await self._before(deadline, deployment, self._hook(deployment, "preprocess", plugin.preprocess, payload))
-            self._check_open()
-            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            ticket = Ticket(request_id, item, level, self.clock(), deadline, future, len(payload.body), measure=measure)
+            item = await self.hooks.run(deployment.name, deployment.plugin.name, "preprocess", plugin.preprocess, payload,
+                                        deadline=deadline)
+            future: asyncio.Future[Served] = asyncio.get_running_loop().create_future()
+            ticket = self.intake.enqueue(accepted, item, future, request_id, len(payload.body))
         except BaseException:
-            queue.release_slot()
+            self.intake.unreserve(accepted)
             raise
-        queue.put(ticket, reserved=True)
-        self._tickets.add(ticket)
         try:
-            self._notify(deployment)
-            output = await self._await_ticket(deployment, ticket, deadline - started)
+            served = await self._await_ticket(accepted, ticket)
         finally:
-            self._tickets.discard(ticket)
-        result = await self._hook(deployment, "postprocess", plugin.postprocess, output, item)
-        check_answer(deployment, result)
-        if ticket.dispatched_at is not None:  # batch end to answer: what the deadline gate adds after a batch
-            now = self.clock()
-            deployment.lag.observe(max(0.0, now - ticket.dispatched_at - ticket.execution_s), now)
-        wait = (ticket.dispatched_at or ticket.arrived_at) - ticket.arrived_at
+            self.intake.tickets.discard(ticket)
+        result = await self.hooks.run(deployment.name, deployment.plugin.name, "postprocess", plugin.postprocess,
+                                      served.output, item)
+        check_answer(deployment.name, deployment.plugin.name, result)
+        batch = served.batch
+        now = self.clock()  # batch end to answer: what the deadline gate adds after a batch
+        deployment.lag.observe(max(0.0, now - batch.dispatched_at - batch.execution_s), now)
+        wait = batch.dispatched_at - ticket.arrived_at
         self.telemetry.observe_queue_wait(deployment.name, wait)
-        return Answer(request_id, deployment.name, result, wait, ticket.batch_size, ticket.execution_s,
-                      ticket.memory_delta_bytes, plugin.describe_input(payload, item))
-
-    def _free_at(self, now: float) -> dict[str, float]:
-        """When each device can next start a batch (now, unless all its batch slots are taken)."""
-        return {device: scheduler.free_at(now) for device, scheduler in self._schedulers.items()}
+        return Answer(request_id, deployment.name, result, wait, batch.size, batch.execution_s,
+                      batch.memory_delta_bytes, plugin.describe_input(payload, item))
 
     def _check_open(self) -> None:
-        if self._draining or self._closed:
-            raise ShuttingDown("server is shutting down; retry on another replica", retry_after_s=5.0)
+        if self.intake.closing:
+            raise ShuttingDown(SHUTTING_DOWN.detail, retry_after_s=SHUTTING_DOWN.retry_after_s)
 
-    def _check_accepting(self, deployment: Deployment) -> None:
-        """Shutting down, or a model that cannot serve soon: 503 at once. An on-demand model that
-        is not loaded is accepted (the request waits for its load)."""
-        self._check_open()
-        if deployment.serving:
-            return
-        if deployment.waits_for_load:
-            self._residency.check_loadable(deployment)
-            return
-        if deployment.residency.held_down:
-            self._residency.check_loadable(deployment)
-        reason = f": {deployment.error}" if deployment.error else ""
-        raise ModelUnavailable(f"model {deployment.name!r} is {deployment.state.value}{reason}", retry_after_s=5.0)
-
-    async def _await_ticket(self, deployment: Deployment, ticket: Ticket, budget_s: float) -> Any:
+    async def _await_ticket(self, accepted: Accepted, ticket: Ticket) -> Served:
         """Wait for the ticket's batch. A ticket still queued at its deadline is withdrawn and gets 504 then."""
+        future: asyncio.Future[Served] = ticket.future
         try:
             remaining = max(0.0, ticket.deadline - self.clock())
             try:
-                return await asyncio.wait_for(asyncio.shield(ticket.future), remaining)
+                return await asyncio.wait_for(asyncio.shield(future), remaining)
             except TimeoutError:
-                if deployment.queue.withdraw(ticket):
-                    error = DeadlineExceeded(
-                        f"deadline passed after {budget_s * 1000:.0f} ms in the queue of model {deployment.name!r}; "
-                        "the input was not run"
-                    )
-                    ticket.future.cancel()  # resolved: the error goes to the caller directly
-                    raise error from None
-                return await ticket.future  # already running: its execution timeout bounds the wait
+                if self.intake.withdraw(accepted, ticket):
+                    future.cancel()  # resolved: the error goes to the caller directly
+                    raise expired(accepted) from None
+                return await future  # already running: its execution timeout bounds the wait
         except asyncio.CancelledError:
-            deployment.queue.withdraw(ticket)  # the caller went away: never run it
-            ticket.future.cancel()
+            self.intake.withdraw(accepted, ticket)  # the caller went away: never run it
+            future.cancel()
             raise
 
-    async def _before(self, deadline: float, deployment: Deployment, work: Awaitable[T]) -> T:
-        try:
-            return await asyncio.wait_for(work, max(0.0, deadline - self.clock()))
-        except TimeoutError:
-            raise DeadlineExceeded(f"deadline passed while preparing the input for model {deployment.name!r}") from None
 
-    async def _on_cpu(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run fn on the CPU pool. Work whose request was answered (deadline, client gone) before a
-        pool thread picked it up is skipped, not run for nobody."""
-        abandoned = [False]  # a flag, not a threading.Event: set on the loop, read once by the pool thread
-
-        def unless_abandoned() -> T:
-            if abandoned[0]:
-                raise asyncio.CancelledError
-            return fn(*args)
-
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._cpu, unless_abandoned)
-        except BaseException:
-            abandoned[0] = True
-            raise
-
-    async def _hook(self, deployment: Deployment, hook: str, fn: Callable[..., T], *args: Any) -> T:
-        """Run a plugin hook on the CPU pool. Its RouterErrors (InputError...) answer the request;
-        anything else is the plugin's bug: 500, logged once naming plugin, hook and exception."""
-        try:
-            return await self._on_cpu(fn, *args)
-        except RouterError:
-            raise
-        except Exception as exc:
-            plugin = deployment.plugin.name
-            log.error("model %s: plugin %s raised in %s: %s: %s", deployment.name, plugin, hook,
-                      type(exc).__name__, exc, exc_info=exc, extra={"model": deployment.name, "plugin": plugin,
-                                                                      "hook": hook})
-            raise ModelError(
-                f"model {deployment.name!r}: plugin {plugin!r} failed in {hook}: {type(exc).__name__}: {exc}"
-            ) from None
-
-    def _notify(self, deployment: Deployment) -> None:
-        for device in {i.device for i in deployment.instances}:
-            scheduler = self._schedulers.get(device)
-            if scheduler is not None:
-                scheduler.notify()
+def expired(accepted: Accepted) -> DeadlineExceeded:
+    """The 504 of a request still queued at its deadline."""
+    admission = accepted.admission
+    budget = admission.deadline - admission.arrived_at
+    return DeadlineExceeded(f"deadline passed after {budget * 1000:.0f} ms in the queue of model "
+                            f"{admission.model!r}; the input was not run")

@@ -1,0 +1,113 @@
+"""The request path's bookkeeping: admit a request, queue its prepared item, withdraw it, let go.
+
+`Runtime.submit` (one process) composes these verbs around the plugin's hooks; the engine
+process (`router.host.engine`) calls them for items that front processes prepared. Between
+`admit` and `release` a request holds its model (residency does not evict a model in use) and,
+until `enqueue` or `release`, a slot of its queue (a burst cannot pile unbounded work in front
+of the queue). What `admit` returns, an `Accepted`, is the caller's handle for the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from router.errors import ModelChanged, ShuttingDown
+from router.scheduling.queue import Ticket, reject
+from router.serving.deployment import Deployment
+from router.serving.fleet_state import FleetState
+from router.serving.rules import Admission, Refusal, Terms, admit
+
+__all__ = ["SHUTTING_DOWN", "Accepted", "Intake"]
+
+log = logging.getLogger("router.serving.intake")
+SHUTTING_DOWN = Refusal("ShuttingDown", "server is shutting down; retry on another replica", 5.0)
+
+
+@dataclass(frozen=True, eq=False)
+class Accepted:
+    """An admitted request: the deployment it was admitted to and the decision."""
+
+    deployment: Deployment
+    admission: Admission
+
+
+class Intake:
+    """Admission, queueing and release of requests, over the fleet's deployments."""
+
+    def __init__(self, fleet: FleetState, clock: Callable[[], float] = time.monotonic) -> None:
+        self._fleet = fleet
+        self._clock = clock
+        self.tickets: set[Ticket] = set()  # queued or running: a drain answers what is left
+        self.closing = False  # draining or closed: every new request is refused
+
+    def free_at(self, now: float) -> dict[str, float]:
+        """When each device can next start a batch (now, unless all its batch slots are taken)."""
+        return {device: scheduler.free_at(now) for device, scheduler in self._fleet.schedulers.items()}
+
+    def check(self, deployment: Deployment, terms: Terms, *, gate: bool = True) -> Admission:
+        """The rules over the model's live figures, taking nothing (a look before the body is read)."""
+        now = self._clock()
+        refusal = SHUTTING_DOWN if self.closing else None
+        free = self.free_at(now) if gate else None
+        return admit(terms, deployment.figures(now, refusal=refusal, predict=gate, device_free_at=free), now, gate=gate)
+
+    def commit(self, deployment: Deployment, admission: Admission) -> Accepted:
+        """Act on a decision of `check`: take the gate's half-open turn, reserve a queue slot, hold the model."""
+        now = self._clock()
+        if admission.half_open:
+            deployment.gate.take(now)
+        deployment.queue.reserve_slot(now)
+        deployment.residency.hold(now)  # in use: not evicted until answered
+        return Accepted(deployment, admission)
+
+    def admit(self, terms: Terms, *, generation: int | None = None) -> Accepted:
+        """Decide, reserve and hold in one step, for an item prepared for the model's `generation`
+        (ModelChanged when another version serves now). Raises the RouterError that answers."""
+        deployment = self._fleet.get(terms.model)
+        if generation is not None and generation != deployment.generation:
+            raise ModelChanged(f"model {deployment.name!r} changed while the request was prepared; retry",
+                               retry_after_s=1.0)
+        return self.commit(deployment, self.check(deployment, terms))
+
+    def enqueue(self, accepted: Accepted, item: Any, future: Any, request_id: str, input_bytes: int = 0) -> Ticket:
+        """Queue an admitted request's item (its reserved slot becomes the ticket) and wake the scheduler.
+        Shutting down: ShuttingDown, and the slot is still the caller's to give back (`unreserve`)."""
+        deployment, admission = accepted.deployment, accepted.admission
+        if self.closing:
+            raise ShuttingDown(SHUTTING_DOWN.detail, retry_after_s=SHUTTING_DOWN.retry_after_s)
+        ticket = Ticket(request_id, item, admission.level, self._clock(), admission.deadline, future, input_bytes,
+                        measure=admission.measure)
+        deployment.queue.put(ticket, reserved=True)
+        self.tickets.add(ticket)
+        self._fleet.notify(deployment)
+        return ticket
+
+    def unreserve(self, accepted: Accepted) -> None:
+        """An admitted request that never reached the queue gives its slot back."""
+        accepted.deployment.queue.release_slot()
+
+    def withdraw(self, accepted: Accepted, ticket: Ticket) -> bool:
+        """Take a ticket out of its queue before it runs (deadline, client gone); False once dispatched."""
+        return accepted.deployment.queue.withdraw(ticket)
+
+    def release(self, accepted: Accepted, ticket: Ticket | None = None) -> None:
+        """The request is answered: forget its ticket and let go of its model."""
+        if ticket is not None:
+            self.tickets.discard(ticket)
+        residency = accepted.deployment.residency
+        residency.release(self._clock())
+        if residency.holders == 0:
+            self._fleet.notify(accepted.deployment)  # no longer in use: residency may act on it
+
+    def answer_all(self, error: BaseException) -> int:
+        """Withdraw and answer with `error` every ticket still queued or running (the end of a drain)."""
+        left = list(self.tickets)
+        for ticket in left:
+            for deployment in self._fleet:
+                deployment.queue.withdraw(ticket)
+            reject(ticket, error)
+        return len(left)

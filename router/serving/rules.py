@@ -1,0 +1,143 @@
+"""The request rules: whether a request is taken, at what priority and by when, from a model's figures.
+
+One pure function, `admit`, decides for every front: the single-process runtime and the engine
+process (figures read live from the deployment at that moment), the front processes before any
+round trip (the same figures, as the engine last published them on the board), and the Ray
+cluster's front (figures from its view of the replicas). The rules, in order:
+
+1. the model is accepting (not shutting down, serving or able to load in time): 503 otherwise;
+2. X-Priority within the model's levels: 400 otherwise;
+3. X-Timeout-Ms positive (the budget is the model's queue timeout, or shorter if asked): 400;
+4. room in the queue for every item: 503 with Retry-After, or 413 for more items than it ever holds;
+5. the deadline gate: 503 with Retry-After when the work ahead would push the answer past the
+   deadline (`router.scheduling.service_time.deadline_gate`).
+
+The decision is an `Admission`, a value made once and carried with the request: its model,
+priority level, deadline, queue position and predicted wait.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.errors import InputError, PayloadTooLarge, QueueFull, RouterError, error_named
+from router.scheduling.service_time import HalfOpenGate, Prediction, deadline_gate
+
+__all__ = ["Admission", "ModelFigures", "Refusal", "Terms", "admit", "budget_s", "priority_level"]
+
+#: Figures older than this are not trusted to refuse on predictions (the engine decides instead).
+PREDICTION_FRESH_S = 0.25
+
+
+@dataclass(frozen=True)
+class Terms:
+    """A request as its headers put it, parsed once: what it asks for, and when it arrived (the
+    host's monotonic clock, the same in every process)."""
+
+    model: str
+    received_at: float
+    priority: int | None = None
+    timeout_ms: float | None = None
+    items: int = 1
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a model takes no request now: the RouterError class name, its words and retry hint."""
+
+    kind: str  # ShuttingDown, ModelUnavailable, ModelDoesNotFit
+    detail: str
+    retry_after_s: float | None = None
+
+    def error(self) -> RouterError:
+        return error_named(self.kind, self.detail, retry_after_s=self.retry_after_s)
+
+
+@dataclass(frozen=True)
+class ModelFigures:
+    """What the rules need to know of one model at one moment."""
+
+    name: str
+    priority_levels: int
+    default_priority: int
+    timeout_ms: int
+    capacity: int  # the queue's bound
+    occupancy: int  # queued, plus slots reserved by requests being prepared
+    retry_after_s: float  # the queue's drain estimate, for a refusal when full
+    refusal: Refusal | None = None  # not accepting now
+    prediction: Prediction | None = None  # for one more request queued at `at`
+    idle: bool = False  # nothing queued and an instance free: admit to measure
+    half_open_at: float | None = None  # the half-open gate's last turn
+    half_open_interval_s: float = 0.5
+    last_sample_at: float | None = None  # when a real batch last finished
+    at: float = 0.0  # when the figures held
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The decision to take a request, made once: it travels with the request to its answer."""
+
+    model: str
+    level: int  # priority level, 1..levels (higher first)
+    arrived_at: float
+    deadline: float
+    queue_position: int  # requests ahead of it when admitted
+    predicted_wait_s: float | None = None  # the deadline gate's prediction of its answer
+    measure: bool = False  # admitted without a prediction's backing: never dropped as doomed at dispatch
+    half_open: bool = False  # admitted against the prediction, to measure: the gate's turn is taken
+
+
+def priority_level(figures: ModelFigures, priority: int | None) -> int:
+    levels = figures.priority_levels
+    if priority is None:
+        return figures.default_priority
+    if not 1 <= priority <= levels:
+        raise InputError(f"X-Priority must be an integer from 1 to {levels}, got {priority}")
+    return priority
+
+
+def budget_s(figures: ModelFigures, timeout_ms: float | None) -> float:
+    """The request's time budget in seconds: the model's queue timeout, or shorter if asked."""
+    limit = figures.timeout_ms
+    if timeout_ms is None:
+        return limit / 1000.0
+    if not timeout_ms > 0:
+        raise InputError(f"X-Timeout-Ms must be a positive number of milliseconds, got {timeout_ms}")
+    return min(timeout_ms, limit) / 1000.0
+
+
+def check_room(figures: ModelFigures, items: int, pending: int = 0) -> None:
+    """QueueFull if `items` more requests cannot all be taken now; PayloadTooLarge if they never can.
+    `pending`: requests this caller is preparing that the figures do not count yet."""
+    name, capacity = figures.name, figures.capacity
+    if items > capacity:
+        raise PayloadTooLarge(f"model {name!r} queues at most {capacity} requests; "
+                              f"{items} items in one request can never fit")
+    occupancy = figures.occupancy + pending
+    if occupancy + items > capacity:
+        room = f"room for {max(0, capacity - occupancy)} of {items} items" if items > 1 else f"{capacity} requests"
+        raise QueueFull(f"model {name!r} queue is full ({room}); retry later", retry_after_s=figures.retry_after_s)
+
+
+def admit(terms: Terms, figures: ModelFigures, now: float, *, pending: int = 0, gate: bool = True) -> Admission:
+    """Take the request or raise the RouterError that answers it. `gate`: apply the deadline gate
+    (a caller may leave it to a later decision). Pure: a half-open turn it grants is the caller's
+    to take (`Admission.half_open`)."""
+    if figures.refusal is not None:
+        raise figures.refusal.error()
+    level = priority_level(figures, terms.priority)
+    arrived = min(terms.received_at, now)
+    deadline = arrived + budget_s(figures, terms.timeout_ms)
+    check_room(figures, terms.items, pending)
+    position = figures.occupancy + pending
+    prediction = figures.prediction
+    if not gate or (prediction is not None and now - figures.at > PREDICTION_FRESH_S):
+        return Admission(terms.model, level, arrived, deadline, position)
+    turn = HalfOpenGate(figures.half_open_interval_s, figures.half_open_at)
+    decision = deadline_gate(prediction, deadline - now, idle=figures.idle, gate=turn, now=now,
+                             last_sample_at=figures.last_sample_at, take_turn=False)
+    if not decision.admit:
+        raise QueueFull(f"model {figures.name!r} is overloaded: {decision.reason}; retry later",
+                        retry_after_s=decision.retry_after_s)
+    wait = prediction.answer_in_s if prediction is not None else None
+    return Admission(terms.model, level, arrived, deadline, position, wait, decision.measure, decision.half_open)
