@@ -24,7 +24,7 @@ log = logging.getLogger("router.cli")
 def prepare(args: argparse.Namespace) -> tuple[ServerSettings, FleetPlan, AccessPolicy]:
     """Every validation that comes before the port opens, shared by `serve` and `check`: the
     settings, the fleet and its plugins' options and paths, the keys. Raises ConfigError."""
-    overrides = {k: v for k in ("config", "host", "port") if (v := getattr(args, k, None)) is not None}
+    overrides = {k: v for k in ("config", "host", "port", "workers") if (v := getattr(args, k, None)) is not None}
     settings = load_settings(**overrides)
     plan = load_plan(settings.config)
     return settings, plan, access_policy(settings)
@@ -46,6 +46,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings, plan, policy = prepare(args)
     except ConfigError as exc:
         return _refuse(exc)
+    workers = settings.front_count(available_cores())
+    if workers > 1:  # N front processes and one engine (router.host): docs/architecture-processes.md
+        from router.host.supervisor import Supervisor
+
+        configure_logging(settings.log_level, settings.log_format, role="parent")
+        log.info(policy.describe())
+        return Supervisor(settings, workers).run()
     configure_logging(settings.log_level, settings.log_format)
     threads = count_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
     apply_threads(threads)
@@ -188,6 +195,15 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def _workers(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"workers is a number from 1 to 256 or auto, got {text!r}") from None
+
+
 def parser() -> argparse.ArgumentParser:
     root = argparse.ArgumentParser(prog="model-router", description=__doc__)
     sub = root.add_subparsers(dest="command", required=True)
@@ -195,6 +211,9 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, help="fleet YAML (env MODEL_ROUTER_CONFIG)")
     serve.add_argument("--host", help="bind address (env MODEL_ROUTER_HOST)")
     serve.add_argument("--port", type=int, help="port (env MODEL_ROUTER_PORT)")
+    serve.add_argument("--workers", type=_workers,
+                       help="front processes: 1 (one process), N > 1 (N HTTP fronts and one engine) or auto "
+                            "(env MODEL_ROUTER_WORKERS; default auto: a front per core, 1 on 2 cores or fewer)")
     serve.set_defaults(func=cmd_serve)
     check = sub.add_parser("check", help="run every validation `serve` runs (fleet, plugin options and paths, "
                                          "MODEL_ROUTER_* settings, keys) and print the resolved plan")

@@ -47,6 +47,7 @@ __all__ = [
     "format_validation_error",
     "load_fleet",
     "load_settings",
+    "resolve_workers",
     "validation_problems",
 ]
 
@@ -485,6 +486,36 @@ class ServerSettings(BaseSettings):
     max_connections: int = Field(1024, ge=1, description="open connections and running requests; more get 503")
     max_items: int = Field(1024, ge=1, description="items in one V2 request (also at most the model's queue size)")
     trim_memory: bool = Field(True, description="hand freed heap memory back to the system after large bodies")
+    workers: int | Literal["auto"] = Field(
+        "auto", description="front processes: 1 is one process with no IPC; N > 1 runs N HTTP fronts and one engine; "
+                            "auto: one per core, at most 16, and 1 on 2 cores or fewer")
+
+    @field_validator("workers")
+    @classmethod
+    def _some_workers(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and not 1 <= value <= 256:
+            raise ValueError(f"workers must be from 1 to 256 or auto, got {value}")
+        return value
+
+    def front_count(self, cores: int) -> int:
+        """How many front processes serve (1: the single process)."""
+        return resolve_workers(self.workers, cores)
+
+
+#: `workers: auto` gives each core a front, up to this many (the engine's loop carries the rest).
+MAX_AUTO_WORKERS = 16
+#: ... on hosts with more cores than this: on 2 cores one process serves as much as a split one
+#: (docs/architecture-processes.md, "Measured").
+SINGLE_PROCESS_UP_TO_CORES = 2
+
+
+def resolve_workers(setting: int | str, cores: int) -> int:
+    """The number of front processes for a `workers` setting on a host with `cores` cores."""
+    if isinstance(setting, int):
+        return setting
+    if cores <= SINGLE_PROCESS_UP_TO_CORES:
+        return 1
+    return min(cores, MAX_AUTO_WORKERS)
 
 
 def load_settings(**overrides: Any) -> ServerSettings:

@@ -92,9 +92,21 @@ class _DeferredHandler(QueueHandler):
 _listener: QueueListener | None = None
 
 
-def configure_logging(level: str = "info", fmt: LogFormat = "auto") -> None:
+class _Role(logging.Filter):
+    """Adds the process's role (`front 2`, `engine`) to every record of a split host's process."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__()
+        self.role = role
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.role = self.role
+        return True
+
+
+def configure_logging(level: str = "info", fmt: LogFormat = "auto", role: str | None = None) -> None:
     """Lines on stderr in `fmt` (see `formatter_for`), written by a background thread; flushed when the
-    process exits."""
+    process exits. With `role`, every line says which process of a split host wrote it."""
     global _listener
     if _listener is not None:
         _listener.stop()
@@ -105,7 +117,10 @@ def configure_logging(level: str = "info", fmt: LogFormat = "auto") -> None:
     _listener.start()
     atexit.register(_listener.stop)
     root = logging.getLogger()
-    root.handlers[:] = [_DeferredHandler(records)]
+    handler = _DeferredHandler(records)
+    if role is not None:
+        handler.addFilter(_Role(role))
+    root.handlers[:] = [handler]
     root.setLevel(level.upper())
     for name in ("uvicorn", "uvicorn.error"):
         logging.getLogger(name).handlers[:] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from router.config import BatchPolicy
 from router.scheduling.queue import ModelQueue, Ticket
 from router.scheduling.service_time import (
+    GateDecision,
     HALF_LIFE_S,
     BatchTime,
     DecayingTotal,
@@ -158,15 +160,24 @@ def _slow_prediction(seconds: float) -> object:
                           max_batch=8, max_delay_s=0.0, margin=0.0)
 
 
+def gated(prediction: Any, budget_s: float, *, idle: bool, gate: HalfOpenGate, now: float,
+          last_sample_at: float | None = None) -> GateDecision:
+    """The deadline gate's decision, its half-open turn taken as the intake takes it."""
+    decision = deadline_gate(prediction, budget_s, idle=idle, half_open=gate.open(now, last_sample_at))
+    if decision.half_open:
+        gate.take(now)
+    return decision
+
+
 def test_an_idle_model_always_admits_whatever_the_estimate_says() -> None:
-    decision = deadline_gate(_slow_prediction(5.0), 1.0, idle=True, gate=HalfOpenGate(), now=0.0)  # type: ignore[arg-type]
+    decision = gated(_slow_prediction(5.0), 1.0, idle=True, gate=HalfOpenGate(), now=0.0)
     assert decision.admit and not decision.half_open
 
 
 def test_a_refusing_model_admits_one_probe_per_interval() -> None:
     gate = HalfOpenGate(interval_s=0.5)
     prediction = _slow_prediction(5.0)
-    decisions = [deadline_gate(prediction, 1.0, idle=False, gate=gate, now=t / 100)  # type: ignore[arg-type]
+    decisions = [gated(prediction, 1.0, idle=False, gate=gate, now=t / 100)
                  for t in range(200)]  # two seconds, one request every 10 ms
     probes = [d for d in decisions if d.admit]
     assert len(probes) == 4 and all(d.half_open for d in probes)
@@ -178,14 +189,14 @@ def test_a_refusing_model_admits_one_probe_per_interval() -> None:
 def test_no_probe_while_batches_keep_finishing() -> None:
     gate = HalfOpenGate(interval_s=0.5)
     prediction = _slow_prediction(5.0)
-    decisions = [deadline_gate(prediction, 1.0, idle=False, gate=gate, now=t / 100,  # type: ignore[arg-type]
-                                  last_sample_at=t / 100 - 0.1) for t in range(200)]
+    decisions = [gated(prediction, 1.0, idle=False, gate=gate, now=t / 100, last_sample_at=t / 100 - 0.1)
+                 for t in range(200)]
     assert not any(d.admit for d in decisions)
 
 
 def test_a_request_that_fits_its_deadline_is_admitted() -> None:
     prediction = _slow_prediction(0.2)
-    assert deadline_gate(prediction, 1.0, idle=False, gate=HalfOpenGate(), now=0.0).admit  # type: ignore[arg-type]
+    assert gated(prediction, 1.0, idle=False, gate=HalfOpenGate(), now=0.0).admit
 
 
 # -- the property: no lockout -------------------------------------------------------------------
@@ -228,8 +239,7 @@ class Model:
                                     max_delay_s=0.005, lag_s=self.lag.at(now))
         idle = self.queue.occupancy == 0 and any(b is None for b in self.busy_until)
         last = max((t.last_sample_at for t in self.times if t.last_sample_at is not None), default=None)
-        decision = deadline_gate(prediction, self.deadline_s, idle=idle, gate=self.gate, now=now,
-                                    last_sample_at=last)
+        decision = gated(prediction, self.deadline_s, idle=idle, gate=self.gate, now=now, last_sample_at=last)
         if decision.admit and self.queue.occupancy < self.queue.max_size:
             self.queue.put(Ticket("r", None, 1, now, now + self.deadline_s, measure=decision.measure))
             return True

@@ -27,21 +27,12 @@ from router.cluster.layout import cluster_of, copy_policies, served_models
 from router.cluster.reports import ErrorReply, ReplicaReport, Reply
 from router.cluster.view import cluster_devices, cluster_model
 from router.config import FleetConfig, ModelConfig
-from router.errors import (
-    DeadlineExceeded,
-    InputError,
-    ModelNotFound,
-    ModelUnavailable,
-    PayloadTooLarge,
-    RouterError,
-    ShuttingDown,
-    brief,
-    outcome_of,
-)
+from router.errors import DeadlineExceeded, InputError, ModelNotFound, ModelUnavailable, RouterError, brief, outcome_of
 from router.sdk.plugin import Payload
 from router.serving.editor import ReloadReport
 from router.serving.inflight import InFlight
 from router.serving.residency_executor import UnloadReport
+from router.serving.rules import ModelFigures, Refusal, Terms, admit
 from router.serving.runtime import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
 from router.serving.telemetry import Telemetry, TelemetryFanout
@@ -176,28 +167,26 @@ class ClusterRuntime:
         """Refuse what no replica could take, from the name and headers: unknown model, bad
         header, shutting down, no replica for the model, more items than its queue holds."""
         config = self._config(model)
+        now = self.clock()
         try:
-            self._check(model, config, priority, timeout_ms)
-            if items > config.queue.max_size:
-                raise PayloadTooLarge(f"model {model!r} queues at most {config.queue.max_size} requests; "
-                                      f"{items} items in one request can never fit")
+            admit(Terms(model, now if received_at is None else received_at, priority, timeout_ms, items),
+                  self._figures(model, config), now)
         except RouterError as exc:
-            self._count(model, outcome_of(exc), received_at or self.clock())
+            self._count(model, outcome_of(exc), received_at or now)
             raise
 
-    def _check(self, model: str, config: ModelConfig, priority: int | None, timeout_ms: float | None) -> float:
+    def _figures(self, model: str, config: ModelConfig) -> ModelFigures:
+        """The model as the request rules see it from here: the replicas keep the queues and decide
+        on room and deadlines, so only what the front knows refuses (draining, no replica up)."""
+        refusal = None
         if self._draining:
-            raise ShuttingDown("the cluster front is shutting down; retry on another front", retry_after_s=5.0)
-        levels = config.queue.priority_levels
-        if priority is not None and not 1 <= priority <= levels:
-            raise InputError(f"X-Priority must be an integer from 1 to {levels}, got {priority}")
-        if timeout_ms is not None and not timeout_ms > 0:
-            raise InputError(f"X-Timeout-Ms must be a positive number of milliseconds, got {timeout_ms}")
-        if self.reports and not any(r.node_type in self._types[model] for r in self.reports):
-            raise ModelUnavailable(f"no replica of node type(s) {', '.join(self._types[model])} is up for model "
-                                   f"{model!r}; Ray is starting them", retry_after_s=5.0)
-        limit = config.queue.timeout_ms
-        return min(timeout_ms, limit) / 1000.0 if timeout_ms is not None else limit / 1000.0
+            refusal = Refusal("ShuttingDown", "the cluster front is shutting down; retry on another front", 5.0)
+        elif self.reports and not any(r.node_type in self._types[model] for r in self.reports):
+            refusal = Refusal("ModelUnavailable", f"no replica of node type(s) {', '.join(self._types[model])} is up "
+                                                  f"for model {model!r}; Ray is starting them", 5.0)
+        queue = config.queue
+        return ModelFigures(model, queue.priority_levels, queue.default_priority, queue.timeout_ms, queue.max_size,
+                            occupancy=0, retry_after_s=1.0, refusal=refusal, at=self.clock())
 
     def _count(self, model: str, outcome: str, started: float) -> None:
         self.requests[model][outcome] += 1
@@ -208,9 +197,9 @@ class ClusterRuntime:
         config = self._config(model)
         started = self.clock() if received_at is None else min(received_at, self.clock())
         with self._inflight.request(lambda outcome: self._count(model, outcome, started)):
-            budget_s = self._check(model, config, priority, timeout_ms)
+            admission = admit(Terms(model, started, priority, timeout_ms), self._figures(model, config), self.clock())
             return await self._route(model, config, payload, priority, request_id or uuid.uuid4().hex,
-                                     started + budget_s)
+                                     admission.deadline)
 
     async def _route(self, model: str, config: ModelConfig, payload: Payload, priority: int | None, request_id: str,
                      deadline: float) -> Answer:

@@ -2,7 +2,7 @@
 
 One memfd, written only by the engine and mapped read-only by every front: a header (the engine's
 epoch, ready, draining) and one fixed slot per model holding its `ModelFigures` (the rules'
-inputs, the refusal's words included). A front reads a slot and runs the same `admit` the engine
+inputs, its deadline forecast and the refusal's words included), as MessagePack. A front reads a slot and runs the same `admit` the engine
 runs (`router.serving.rules`), with no round trip.
 
 Each record is guarded by a sequence lock: the writer makes its counter odd, writes, makes it even
@@ -17,21 +17,22 @@ import os
 import struct
 from dataclasses import dataclass
 
-from router.scheduling.service_time import Prediction
-from router.serving.rules import ModelFigures, Refusal
+import msgspec
+from msgspec.structs import replace
+
+from router.serving.rules import ModelFigures
 
 __all__ = ["BOARD_BYTES", "MAX_MODELS", "BoardHeader", "BoardReader", "BoardWriter"]
 
-SLOT_BYTES = 1024
+SLOT_BYTES = 2048
 MAX_MODELS = 255
 BOARD_BYTES = SLOT_BYTES * (MAX_MODELS + 1)  # slot 0 is the header
 _SEQ = struct.Struct("<Q")
+_LENGTH = struct.Struct("<I")
 _HEADER = struct.Struct("<IIId")  # epoch, ready, draining, published_at
-_FIGURES = struct.Struct("<IIHHIII" "ddddd" "dIIddId" "dBH")
-_DETAIL_AT = 8 + _FIGURES.size
-DETAIL_MAX = SLOT_BYTES - _DETAIL_AT
-_KINDS = ("ShuttingDown", "ModelUnavailable", "ModelDoesNotFit", "EngineUnavailable")
-_PREDICTION, _IDLE, _HALF_OPEN, _SAMPLE, _REFUSAL, _REFUSAL_RETRY = 1, 2, 4, 8, 16, 32
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(tuple[int, ModelFigures])
+RECORD_MAX = SLOT_BYTES - 8 - _LENGTH.size
 READ_TRIES = 1000
 
 
@@ -55,12 +56,17 @@ class BoardWriter:
         self._write(0, _HEADER.pack(epoch, ready, draining, now))
 
     def publish(self, slot: int, generation: int, figures: ModelFigures) -> None:
-        """Write one model's figures into its slot (1..MAX_MODELS)."""
-        self._write(slot * SLOT_BYTES, _encode(generation, figures))
+        """Write one model's figures into its slot (1..MAX_MODELS). Refusal words too long for the
+        slot are cut short."""
+        record = _ENCODER.encode((generation, figures))
+        if len(record) > RECORD_MAX and figures.refusal is not None:
+            cut = replace(figures.refusal, detail=figures.refusal.detail[:RECORD_MAX // 2] + "...")
+            record = _ENCODER.encode((generation, replace(figures, refusal=cut)))
+        self._write(slot * SLOT_BYTES, _LENGTH.pack(len(record)) + record)
 
     def clear(self, slot: int) -> None:
         """The model is gone: its slot reads as empty."""
-        self._write(slot * SLOT_BYTES, bytes(_FIGURES.size + 3))
+        self._write(slot * SLOT_BYTES, _LENGTH.pack(0))
 
     def _write(self, base: int, record: bytes) -> None:
         (seq,) = _SEQ.unpack_from(self._map, base)
@@ -82,7 +88,7 @@ class BoardReader:
         self._decoded: dict[int, tuple[int, str, tuple[int, ModelFigures] | None]] = {}  # slot: (seq, name, figures)
 
     def header(self) -> BoardHeader:
-        _, record = self._read(0, _HEADER.size, 0)
+        _, record = self._read(0, _HEADER.size, False)
         epoch, ready, draining, at = _HEADER.unpack(record)
         return BoardHeader(epoch, bool(ready), bool(draining), at)
 
@@ -94,21 +100,25 @@ class BoardReader:
         cached = self._decoded.get(slot)
         if cached is not None and cached[0] == seq and cached[1] == name:
             return cached[2]
-        seq, record = self._read(base, _FIGURES.size, DETAIL_MAX)
-        decoded = _decode(record, name)
+        seq, record = self._read(base, _LENGTH.size, True)
+        decoded = None
+        if len(record) > _LENGTH.size:
+            generation, figures = _DECODER.decode(record[_LENGTH.size:])
+            decoded = (generation, replace(figures, name=name))
         self._decoded[slot] = (seq, name, decoded)
         return decoded
 
-    def _read(self, base: int, size: int, tail: int) -> tuple[int, bytes]:
-        """A consistent copy of a record: its fixed part, and up to `tail` bytes after it when its
-        last field (a length) says there are any."""
+    def _read(self, base: int, size: int, prefixed: bool) -> tuple[int, bytes]:
+        """A consistent copy of a record of `size` bytes, or with `prefixed`, of its length prefix
+        and the bytes it counts."""
         for _ in range(READ_TRIES):
             (before,) = _SEQ.unpack_from(self._map, base)
             if before % 2:
                 continue
             record = self._map[base + 8:base + 8 + size]
-            if tail and (length := int.from_bytes(record[-2:], "little")):
-                record += self._map[base + 8 + size:base + 8 + size + min(length, tail)]
+            if prefixed:
+                (length,) = _LENGTH.unpack(record)
+                record += self._map[base + 8 + size:base + 8 + size + min(length, RECORD_MAX)]
             (after,) = _SEQ.unpack_from(self._map, base)
             if before == after:
                 return before, record
@@ -116,41 +126,3 @@ class BoardReader:
 
     def close(self) -> None:
         self._map.close()
-
-
-def _encode(generation: int, f: ModelFigures) -> bytes:
-    p, r = f.prediction, f.refusal
-    flags = ((_PREDICTION if p else 0) | (_IDLE if f.idle else 0) | (_HALF_OPEN if f.half_open_at is not None else 0)
-             | (_SAMPLE if f.last_sample_at is not None else 0) | (_REFUSAL if r else 0)
-             | (_REFUSAL_RETRY if r and r.retry_after_s is not None else 0))
-    detail = r.detail.encode()[:DETAIL_MAX] if r else b""
-    kind = _KINDS.index(r.kind) if r and r.kind in _KINDS else 1
-    fixed = _FIGURES.pack(
-        generation, flags, f.priority_levels, f.default_priority, f.timeout_ms, f.capacity, f.occupancy,
-        f.retry_after_s, f.at, f.half_open_at or 0.0, f.half_open_interval_s, f.last_sample_at or 0.0,
-        p.answer_in_s if p else 0.0, p.queued_ahead if p else 0, p.batches_ahead if p else 0,
-        p.batch_s if p else 0.0, p.running_left_s if p else 0.0, p.instances if p else 0, p.loading_s if p else 0.0,
-        (r.retry_after_s or 0.0) if r else 0.0, kind, len(detail),
-    )
-    return fixed + detail
-
-
-def _decode(record: bytes, name: str) -> tuple[int, ModelFigures] | None:
-    (generation, flags, levels, default, timeout_ms, capacity, occupancy, retry_after_s, at, half_open_at, interval_s,
-     last_sample_at, answer_in_s, queued_ahead, batches_ahead, batch_s, running_left_s, instances, loading_s,
-     refusal_retry, kind, detail_len) = _FIGURES.unpack_from(record)
-    if generation == 0:
-        return None
-    prediction = (Prediction(answer_in_s, queued_ahead, batches_ahead, batch_s, running_left_s, instances, loading_s)
-                  if flags & _PREDICTION else None)
-    refusal = None
-    if flags & _REFUSAL:
-        start = _DETAIL_AT - 8
-        detail = record[start:start + detail_len].decode(errors="replace")
-        refusal = Refusal(_KINDS[kind], detail, refusal_retry if flags & _REFUSAL_RETRY else None)
-    return generation, ModelFigures(
-        name=name, priority_levels=levels, default_priority=default, timeout_ms=timeout_ms, capacity=capacity,
-        occupancy=occupancy, retry_after_s=retry_after_s, refusal=refusal, prediction=prediction,
-        idle=bool(flags & _IDLE), half_open_at=half_open_at if flags & _HALF_OPEN else None,
-        half_open_interval_s=interval_s, last_sample_at=last_sample_at if flags & _SAMPLE else None, at=at,
-    )

@@ -91,6 +91,8 @@ class ModelEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     store_dir: str
     allow_absolute_paths: bool
     hooks_in_engine: bool  # preprocess_needs_model: the front sends the raw body
+    queue_timeout_ms: int  # the deadline of a request that asks for none
+    execution_timeout_ms: int  # how long a running batch may take
     front_state: bytes | None = None  # pickled front_state() after load; None before the first load
 
 

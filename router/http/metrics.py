@@ -1,13 +1,21 @@
 """Prometheus metrics. Event metrics (histograms, counters) are recorded as things happen; state
-(queue depth, ledger, device memory) is read at scrape time from the runtime's owners."""
+(queue depth, ledger, device memory) is read at scrape time from the runtime's owners.
+
+On a host split into processes (`workers: N`) every process records its events with
+prometheus_client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, set by the parent for all of
+them), and any front's `/metrics` sums them at scrape time (`MultiProcessCollector`): the fronts'
+request counters and the engine's batch histograms alike. The state gauges come once, from the
+engine's snapshots through the front's façade."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -24,54 +32,65 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class RouterMetrics:
-    """All metrics of one runtime, in a registry of its own."""
+    """All metrics of one runtime, in a registry of its own; or, in a process of a split host, this
+    process's share of the whole server's (see the module's docstring)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.multiprocess = MultiProcessCollector(self.registry) if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
+        registry = None if self.multiprocess else self.registry  # multiprocess: recorded to files, read back summed
         self.requests = Counter(
-            "model_router_requests", "Requests by model and outcome.", ["model", "outcome"], registry=self.registry
+            "model_router_requests", "Requests by model and outcome.", ["model", "outcome"], registry=registry
         )
         self.queue_wait = Histogram(
             "model_router_queue_wait_seconds", "Time from enqueue to dispatch.", ["model"],
-            buckets=LATENCY_BUCKETS, registry=self.registry,
+            buckets=LATENCY_BUCKETS, registry=registry,
         )
         self.batch_size = Histogram(
             "model_router_batch_size", "Items per executed batch.", ["model"],
-            buckets=BATCH_BUCKETS, registry=self.registry,
+            buckets=BATCH_BUCKETS, registry=registry,
         )
         self.execution = Histogram(
             "model_router_batch_execution_seconds", "Wall time of one batch on its device.", ["model"],
-            buckets=LATENCY_BUCKETS, registry=self.registry,
+            buckets=LATENCY_BUCKETS, registry=registry,
         )
         self.loads = Counter(
             "model_router_loads", "Model instance loads by result (ok, failed).", ["model", "device", "result"],
-            registry=self.registry,
+            registry=registry,
         )
         self.load_seconds = Histogram(
             "model_router_load_seconds", "Time to load, warm and size one instance.", ["model", "device"],
-            buckets=LOAD_BUCKETS, registry=self.registry,
+            buckets=LOAD_BUCKETS, registry=registry,
         )
         self.evictions = Counter(
             "model_router_evictions", "Instances unloaded by the residency planner or an operator, by kind "
-            "(idle, lru, deadline, admin, replaced, removed).", ["model", "device", "kind"], registry=self.registry,
+            "(idle, lru, deadline, admin, replaced, removed).", ["model", "device", "kind"], registry=registry,
         )
         self.cold_waits = Histogram(
             "model_router_cold_start_wait_seconds", "How long a request waited for its model to load.", ["model"],
-            buckets=LATENCY_BUCKETS, registry=self.registry,
+            buckets=LATENCY_BUCKETS, registry=registry,
         )
         self.request_latency = Histogram(
             "model_router_request_seconds", "End-to-end time inside the router, by model.", ["model"],
-            buckets=LATENCY_BUCKETS, registry=self.registry,
+            buckets=LATENCY_BUCKETS, registry=registry,
         )
         self.answer_latency = Histogram(
             "model_router_answer_seconds", "Time inside the router of requests answered 200, by model.", ["model"],
-            buckets=LATENCY_BUCKETS, registry=self.registry,
+            buckets=LATENCY_BUCKETS, registry=registry,
         )
         self.within_deadline = Counter(
             "model_router_answers_within_deadline", "Requests answered 200 within their deadline (the SLO's numerator).",
-            ["model"], registry=self.registry,
+            ["model"], registry=registry,
         )
-        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        self.engine_messages = Counter(
+            "model_router_engine_messages", "Messages the engine process received from the fronts, by kind (submit, "
+            "cancel, call, lags): a refusal a front answers itself never shows here.", ["kind"], registry=registry,
+        )
+        self.shared_memory_inline = Counter(
+            "model_router_shared_memory_inline", "Large buffers that crossed between processes inside a message "
+            "because the shared-memory arena was full, by direction.", ["direction"], registry=registry,
+        )
+        ProcessCollector(registry=self.registry)  # this process's process_cpu_seconds_total, resident memory, ...
         self.registry.register(_HostCollector())
 
     def observe_batch(self, model: str, size: int, seconds: float) -> None:
@@ -110,6 +129,23 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def family(self, metric: Counter | Histogram) -> list[Metric]:
+        """A metric's families as a scrape sees them: this process's, or every process's summed."""
+        if self.multiprocess is None:
+            return list(metric.collect())
+        name = metric._name  # the family name, as the multiprocess files key it
+        return [family for family in self.multiprocess.collect() if family.name == name]
+
+    def request_counts(self) -> dict[str, dict[str, int]]:
+        """Requests by model and outcome, over every process."""
+        counts: dict[str, dict[str, int]] = {}
+        for family in self.family(self.requests):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    model = counts.setdefault(sample.labels["model"], {})
+                    model[sample.labels["outcome"]] = model.get(sample.labels["outcome"], 0) + int(sample.value)
+        return counts
 
 
 class _StateCollector(Collector):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from types import FrameType
 from typing import Any
 
@@ -75,17 +76,20 @@ class DrainingServer(uvicorn.Server):
         self._drain_task = asyncio.ensure_future(drain_then_exit())
 
 
-def run_server(app: Litestar, runtime: ServingFacade, settings: ServerSettings) -> None:
+def run_server(app: Litestar, runtime: ServingFacade, settings: ServerSettings, *,
+               sockets: list[socket.socket] | None = None, max_connections: int | None = None) -> None:
     """Serve `app` until a signal: HTTP/1.1 with the header, count and read-time limits of the
     settings (`router.http.protocol`), at most `max_connections` connections and running requests,
-    and predict requests that will be refused answered from their headers (`router.http.early`)."""
+    and predict requests that will be refused answered from their headers (`router.http.early`).
+    `sockets`: listening sockets made by the caller (a front process of a split host) instead of
+    the settings' host and port; `max_connections`: this process's share of the setting."""
     limits = HttpLimits(max_header_bytes=settings.max_header_bytes, max_headers=settings.max_headers,
                         header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s)
     protocol = guarded_protocol(limits, EarlyRefusals(runtime, app.state.access_policy))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=5, access_log=False, http=protocol,
                             ws="none", timeout_keep_alive=settings.keep_alive_s,
-                            limit_concurrency=settings.max_connections)
+                            limit_concurrency=max_connections or settings.max_connections)
     server = DrainingServer(config, runtime, settings.drain_timeout_s)
     log.info("serving %s on http://%s:%d", settings.config, settings.host, settings.port)
-    server.run()
+    server.run(sockets=sockets)

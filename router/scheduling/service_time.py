@@ -21,16 +21,20 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 __all__ = [
     "BatchTime",
     "Decaying",
     "DecayingTotal",
+    "Forecast",
     "GateDecision",
     "HalfOpenGate",
     "InstanceLoad",
     "Lag",
     "Prediction",
     "deadline_gate",
+    "half_open",
     "predict_answer",
 ]
 
@@ -174,8 +178,7 @@ class InstanceLoad:
     max_batch: int = 0  # its batch cap; 0: the model's
 
 
-@dataclass(frozen=True)
-class Prediction:
+class Prediction(msgspec.Struct, frozen=True):
     """When a request queued now would be answered, and from what."""
 
     answer_in_s: float
@@ -196,6 +199,76 @@ class Prediction:
         )
 
 
+class Forecast(msgspec.Struct, frozen=True, array_like=True):
+    """When a request at queue position q would be answered, as a function of q and of the time:
+    each instance's next free time, batch cap and batch time (with the margin), fixed at `at`.
+    Computing it costs the estimates' decays; evaluating it (`predict`) is a little arithmetic, so
+    the engine computes one per model while nothing changes, and the fronts evaluate the one it
+    publishes, at their own position and time."""
+
+    at: float
+    free_at: tuple[float, ...]  # when each instance can start its next batch
+    caps: tuple[int, ...]
+    full_s: tuple[float, ...]  # a full batch on each
+    fixed_s: tuple[float, ...]  # a batch of n: fixed_s + per_item_s * n
+    per_item_s: tuple[float, ...]
+    lag_s: float = 0.0
+    max_delay_s: float = 0.0
+    loading_s: float = 0.0  # the instances start after the model's load, expected to end at + loading_s
+
+    @classmethod
+    def of(cls, now: float, instances: Sequence[InstanceLoad], *, max_batch: int, max_delay_s: float,
+           lag_s: float = 0.0, margin: float = MARGIN_DEVIATIONS, loading_s: float = 0.0) -> Forecast | None:
+        """None when no instance has been timed yet (nothing to predict from)."""
+        timed = [i for i in instances if i.times.seeded]
+        if not timed:
+            return None
+        caps = tuple(max(1, i.max_batch or max_batch) for i in timed)
+        scale = [_scale(i.times, now, margin) for i in timed]
+        start = now + loading_s
+        return cls(
+            at=now,
+            free_at=tuple(max(start, i.busy_until if i.busy_until is not None else start) for i in timed),
+            caps=caps,
+            full_s=tuple(i.times.base_s(cap) * k for i, cap, k in zip(timed, caps, scale, strict=True)),
+            fixed_s=tuple(i.times.fixed_s * k for i, k in zip(timed, scale, strict=True)),
+            per_item_s=tuple(i.times.per_item_s * k for i, k in zip(timed, scale, strict=True)),
+            lag_s=max(0.0, lag_s), max_delay_s=max_delay_s, loading_s=loading_s,
+        )
+
+    def predict(self, now: float, queued_ahead: int) -> Prediction:
+        """The answer of a request queued now behind `queued_ahead` others: the full batches ahead of
+        it, each run on whichever instance frees first, then its own batch."""
+        free = [max(now, at) for at in self.free_at]
+        running_left = min(free) - now
+        if len(free) == 1:  # one instance: the full batches ahead run back to back
+            k = 0
+            batches, remaining = divmod(queued_ahead, self.caps[0])
+            at = free[0] + batches * self.full_s[0]
+        else:
+            at, k, batches, remaining = _step([(f, k) for k, f in enumerate(free)], self.caps, self.full_s,
+                                              queued_ahead)
+        own_size = remaining + 1
+        # A request that waits for an instance (batches ahead, or one running) is batched when the
+        # instance frees, with whatever arrived meanwhile: under load its batch is full by then, and
+        # timing it at its size now let requests in that were then answered 504 at dispatch.
+        if at > now + self.max_delay_s:
+            own_size = self.caps[k]
+        if own_size < self.caps[k]:
+            at = max(at, now + self.max_delay_s)  # a batch that is not full waits for its delay
+        answer_at = at + self.fixed_s[k] + self.per_item_s[k] * max(1, own_size) + self.lag_s
+        loading = max(0.0, self.at + self.loading_s - now) if self.loading_s else 0.0
+        return Prediction(answer_in_s=answer_at - now, queued_ahead=queued_ahead, batches_ahead=batches,
+                          batch_s=min(self.full_s), running_left_s=max(0.0, running_left - loading),
+                          instances=len(free), loading_s=loading)
+
+
+def _scale(times: BatchTime, now: float, margin: float) -> float:
+    """What `BatchTime.seconds` multiplies the base time by: the load factor and the margin, at `now`."""
+    factor, spread = times.factor_at(now)
+    return max(0.0, factor) * (1.0 + margin * max(spread, MIN_SPREAD))
+
+
 def predict_answer(
     now: float,
     instances: Sequence[InstanceLoad],
@@ -206,48 +279,29 @@ def predict_answer(
     lag_s: float = 0.0,
     margin: float = MARGIN_DEVIATIONS,
 ) -> Prediction | None:
-    """Seconds until a request queued now would be answered: the full batches ahead of it, each
-    run on whichever instance frees first, then its own batch. None when no instance serves or
-    none has been timed yet (nothing to predict from)."""
-    timed = [i for i in instances if i.times.seeded]
-    if not timed:
-        return None
-    caps = [max(1, i.max_batch or max_batch) for i in timed]
-    full = [i.times.seconds(cap, now, margin) for i, cap in zip(timed, caps, strict=True)]
-    free = [(max(now, i.busy_until if i.busy_until is not None else now), k) for k, i in enumerate(timed)]
-    running_left = min(f for f, _ in free) - now
+    """Seconds until a request queued now would be answered (`Forecast.predict`). None when no
+    instance serves or none has been timed yet (nothing to predict from)."""
+    forecast = Forecast.of(now, instances, max_batch=max_batch, max_delay_s=max_delay_s, lag_s=lag_s, margin=margin)
+    return None if forecast is None else forecast.predict(now, queued_ahead)
+
+
+def _step(free: list[tuple[float, int]], caps: Sequence[int], full: Sequence[float],
+          queued_ahead: int) -> tuple[float, int, int, int]:
+    """Several instances: the full batches ahead, each on whichever instance frees first. Returns
+    when and on which instance the request's own batch starts, the batches ahead and what is left
+    of the queue for that batch."""
     heapq.heapify(free)
     remaining, batches = queued_ahead, 0
     while True:
         at, k = heapq.heappop(free)
         if remaining < caps[k]:
-            break
+            return at, k, batches, remaining
         if batches >= MAX_STEPPED_BATCHES:  # far behind: the instances' combined rate is close enough
             rate = sum(cap / max(seconds, 1e-9) for cap, seconds in zip(caps, full, strict=True))
-            at += remaining / rate
-            batches += remaining // caps[k]
-            remaining %= caps[k]
-            break
+            return at + remaining / rate, k, batches + remaining // caps[k], remaining % caps[k]
         heapq.heappush(free, (at + full[k], k))
         remaining -= caps[k]
         batches += 1
-    own_size = remaining + 1
-    # A request that waits for an instance (batches ahead, or one running) is batched when the
-    # instance frees, with whatever arrived meanwhile: under load its batch is full by then, and
-    # timing it at its size now let requests in that were then answered 504 at dispatch.
-    if at > now + max_delay_s:
-        own_size = caps[k]
-    if own_size < caps[k]:
-        at = max(at, now + max_delay_s)  # a batch that is not full waits for its delay
-    answer_at = at + timed[k].times.seconds(own_size, now, margin) + max(0.0, lag_s)
-    return Prediction(
-        answer_in_s=answer_at - now,
-        queued_ahead=queued_ahead,
-        batches_ahead=batches,
-        batch_s=min(full),
-        running_left_s=running_left,
-        instances=len(timed),
-    )
 
 
 @dataclass
@@ -261,16 +315,21 @@ class HalfOpenGate:
     half_opens: int = 0  # requests let through to measure
 
     def open(self, now: float, last_sample_at: float | None = None) -> bool:
-        fresh = last_sample_at is not None and now - last_sample_at < self.interval_s
-        return not fresh and (self.last_at is None or now - self.last_at >= self.interval_s)
+        return half_open(self.last_at, self.interval_s, now, last_sample_at)
 
     def take(self, now: float) -> None:
         self.last_at = now
         self.half_opens += 1
 
 
-@dataclass(frozen=True)
-class GateDecision:
+def half_open(last_at: float | None, interval_s: float, now: float, last_sample_at: float | None) -> bool:
+    """The gate lets one request through now: no batch finished within `interval_s` (the estimate
+    is not being refreshed) and none was let through within it."""
+    fresh = last_sample_at is not None and now - last_sample_at < interval_s
+    return not fresh and (last_at is None or now - last_at >= interval_s)
+
+
+class GateDecision(msgspec.Struct, frozen=True):
     admit: bool
     half_open: bool = False  # admitted against the prediction, to measure
     measure: bool = False  # admitted without a prediction's backing (idle, untimed, half-open): never dropped
@@ -278,18 +337,14 @@ class GateDecision:
     retry_after_s: float = 1.0
 
 
-def deadline_gate(
-    prediction: Prediction | None, budget_s: float, *, idle: bool, gate: HalfOpenGate, now: float,
-    last_sample_at: float | None = None, take_turn: bool = True,
-) -> GateDecision:
+def deadline_gate(prediction: Prediction | None, budget_s: float, *, idle: bool, half_open: bool) -> GateDecision:
     """Admit unless the prediction says the answer would come after the deadline.
 
     An idle model (nothing queued, an instance free) always admits: its real answer time is
-    then measured. A model with no timing yet admits. A refusing model whose estimate is not
-    being refreshed (no batch finished since `last_sample_at`) still admits one request per
-    half-open interval, so the estimate follows reality down as well as up. With `take_turn`
-    False the gate is only looked at (an early check before the body is read; the real
-    decision comes after).
+    then measured. A model with no timing yet admits. A refusing model whose gate is half-open
+    (`HalfOpenGate.open`: its estimate is not being refreshed) admits the request anyway, to
+    measure, so the estimate follows reality down as well as up; the caller then takes the gate's
+    turn (`HalfOpenGate.take`), unless it is only looking (an early check before the body is read).
     """
     if idle:
         return GateDecision(True, measure=True, reason="idle")
@@ -297,9 +352,7 @@ def deadline_gate(
         return GateDecision(True, measure=True, reason="no timing yet")
     if prediction.answer_in_s <= budget_s:
         return GateDecision(True, reason="in time")
-    if gate.open(now, last_sample_at):
-        if take_turn:
-            gate.take(now)
+    if half_open:
         return GateDecision(True, half_open=True, measure=True, reason="half-open")
     retry = max(1.0, prediction.answer_in_s - budget_s)
     return GateDecision(

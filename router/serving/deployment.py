@@ -6,6 +6,7 @@ import enum
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -16,11 +17,11 @@ from router.scheduling.residency import Occupant
 from router.scheduling.scheduler import Runner
 from router.scheduling.service_time import (
     MARGIN_DEVIATIONS,
+    Forecast,
     HalfOpenGate,
     InstanceLoad,
     Lag,
     Prediction,
-    predict_answer,
 )
 from router.sdk.plugin import ModelPlugin
 from router.serving.instance import InstanceState, ModelInstance
@@ -32,6 +33,9 @@ __all__ = ["Deployment", "ModelState", "find_deployment"]
 
 #: Expected load time of a model never loaded yet, for residency's urgency.
 DEFAULT_LOAD_S = 1.0
+#: A model's forecast is computed again after this long even if nothing it depends on changed
+#: (its estimates decay with time; its lag moves with every answer).
+FORECAST_KEEP_S = 0.001
 
 
 class ModelState(enum.Enum):
@@ -60,6 +64,7 @@ class Deployment:
     gate: HalfOpenGate = field(default_factory=HalfOpenGate)
     residency: Residency = field(default_factory=Residency)
     generation: int = 1  # a changed model is a new deployment of the same name, one generation on
+    _forecast: tuple[Any, float, Forecast | None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def on_demand(self) -> bool:
@@ -112,13 +117,24 @@ class Deployment:
     def ready_instances(self) -> list[ModelInstance]:
         return [i for i in self.instances if i.state is InstanceState.READY]
 
-    def predict(
+    def forecast(
         self, now: float, *, margin: float = MARGIN_DEVIATIONS, device_free_at: Mapping[str, float] | None = None,
-    ) -> Prediction | None:
-        """When a request queued now would be answered (None: nothing timed to predict from). A
-        model that is not loaded first waits for its load, timed by its last cold start. An idle
-        instance on a device whose batch slots are all taken (by other models) starts when the
-        device frees one (`device_free_at`)."""
+    ) -> Forecast | None:
+        """When a request at a given queue position would be answered (None: nothing timed to
+        predict from). A model that is not loaded first waits for its load, timed by its last cold
+        start. An idle instance on a device whose batch slots are all taken (by other models)
+        starts when the device frees one (`device_free_at`). Kept for up to FORECAST_KEEP_S while
+        the instances' states, running batches and timings stay as they were."""
+        free = device_free_at if device_free_at is not None else {}
+        key = (margin, self.residency.load_started_at, *(i.changes for i in self.instances))
+        cached = self._forecast
+        if cached is not None and cached[0] == key and 0.0 <= now - cached[1] < FORECAST_KEEP_S:
+            return cached[2]
+        forecast = self._forecast_now(now, margin, free)
+        self._forecast = (key, now, forecast)
+        return forecast
+
+    def _forecast_now(self, now: float, margin: float, free: Mapping[str, float]) -> Forecast | None:
         ready = self.ready_instances()
         load_s = 0.0
         if not ready:
@@ -128,18 +144,18 @@ class Deployment:
                 return None
             started = res.load_started_at if res.load_started_at is not None else now
             load_s = max(0.0, started + res.cold_start_s - now)
-        free = device_free_at or {}
         loads = [InstanceLoad(i.times, None, i.max_batch) if load_s else i.load_view() for i in ready]
         loads = [replace(load, busy_until=free[i.device]) if load.busy_until is None and free.get(i.device, now) > now
                  else load for load, i in zip(loads, ready, strict=True)]
-        prediction = predict_answer(
-            now + load_s, loads, queued_ahead=self.queue.occupancy,
-            max_batch=self.config.batch.max_size, max_delay_s=self.config.batch.max_delay_s,
-            lag_s=self.lag.at(now), margin=margin,
-        )
-        if prediction is None or not load_s:
-            return prediction
-        return replace(prediction, answer_in_s=prediction.answer_in_s + load_s, loading_s=load_s)
+        return Forecast.of(now, loads, max_batch=self.config.batch.max_size, max_delay_s=self.config.batch.max_delay_s,
+                           lag_s=self.lag.at(now), margin=margin, loading_s=load_s)
+
+    def predict(
+        self, now: float, *, margin: float = MARGIN_DEVIATIONS, device_free_at: Mapping[str, float] | None = None,
+    ) -> Prediction | None:
+        """When a request queued now would be answered (see `forecast`)."""
+        forecast = self.forecast(now, margin=margin, device_free_at=device_free_at)
+        return None if forecast is None else forecast.predict(now, self.queue.occupancy)
 
     @property
     def waits_for_load(self) -> bool:
@@ -167,11 +183,11 @@ class Deployment:
         server's own (shutting down), which comes first; `predict`: compute the deadline gate's
         prediction (it costs more than the rest)."""
         config, queue = self.config.queue, self.queue
-        free = device_free_at or {}
-        prediction = idle = None
+        free = device_free_at if device_free_at is not None else {}
+        forecast = idle = None
         last_sample = None
         if predict:
-            prediction = self.predict(now, device_free_at=device_free_at)
+            forecast = self.forecast(now, device_free_at=device_free_at)
             idle = queue.occupancy == 0 and any(not i.busy and free.get(i.device, now) <= now
                                                 for i in self.ready_instances())
             last_sample = max((i.times.last_sample_at for i in self.instances if i.times.last_sample_at is not None),
@@ -179,7 +195,7 @@ class Deployment:
         return ModelFigures(
             name=self.name, priority_levels=config.priority_levels, default_priority=config.default_priority,
             timeout_ms=config.timeout_ms, capacity=queue.max_size, occupancy=queue.occupancy,
-            retry_after_s=queue.retry_after_s(now), refusal=refusal or self.refusal(now), prediction=prediction,
+            retry_after_s=queue.retry_after_s(now), refusal=refusal or self.refusal(now), forecast=forecast,
             idle=bool(idle), half_open_at=self.gate.last_at, half_open_interval_s=self.gate.interval_s,
             last_sample_at=last_sample, at=now,
         )

@@ -118,6 +118,7 @@ class ModelInstance:
         self._on_batch = on_batch
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.key}")
         self._inflight: Future[Any] | None = None
+        self.changes = 0  # counts what its forecast depends on: state, running batch, timings
 
     # -- lifecycle: the only writers of the state ---------------------------------------------
 
@@ -128,6 +129,7 @@ class ModelInstance:
     def _move(self, to: InstanceState, why: str = "") -> None:
         if to not in TRANSITIONS[self._state]:
             raise RuntimeError(f"instance {self.key}: no transition from {self._state.value} to {to.value}")
+        self.changes += 1
         if to is not self._state:
             log.info("model %s instance %d: %s -> %s%s", self.model, self.index, self._state.value, to.value,
                      f" ({why})" if why else "", extra={"model": self.model})
@@ -192,11 +194,13 @@ class ModelInstance:
         """Mark the instance busy with a batch of `size` dispatched at `now` (by its scheduler)."""
         self.busy = True
         self.busy_until = now + self.times.seconds(size, now)
+        self.changes += 1
         self._idle.clear()
 
     def end_batch(self) -> None:
         self.busy = False
         self.busy_until = None
+        self.changes += 1
         self._idle.set()
 
     async def until_batch_done(self) -> None:
@@ -284,6 +288,7 @@ class ModelInstance:
         elapsed = time.perf_counter() - started
         self.batches += 1
         self.times.observe(len(items), elapsed, self._clock())
+        self.changes += 1
         if self._on_batch is not None:
             self._on_batch(self.model, len(items), elapsed)
         return outputs  # type: ignore[no-any-return]

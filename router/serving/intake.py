@@ -11,20 +11,39 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from router.errors import ModelChanged, ShuttingDown
 from router.scheduling.queue import Ticket, reject
+from router.scheduling.scheduler import DeviceScheduler
 from router.serving.deployment import Deployment
 from router.serving.fleet_state import FleetState
-from router.serving.rules import Admission, Refusal, Terms, admit
+from router.serving.rules import Admission, ModelFigures, Refusal, Terms, admit
 
-__all__ = ["SHUTTING_DOWN", "Accepted", "Intake"]
+__all__ = ["SHUTTING_DOWN", "Accepted", "Intake", "Turn"]
 
 log = logging.getLogger("router.serving.intake")
 SHUTTING_DOWN = Refusal("ShuttingDown", "server is shutting down; retry on another replica", 5.0)
+
+
+class DeviceFreeAt(Mapping[str, float]):
+    """When each device can next start a batch, asked of its scheduler when looked up."""
+
+    __slots__ = ("_now", "_schedulers")
+
+    def __init__(self, schedulers: Mapping[str, DeviceScheduler], now: float) -> None:
+        self._schedulers, self._now = schedulers, now
+
+    def __getitem__(self, device: str) -> float:
+        return self._schedulers[device].free_at(self._now)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._schedulers)
+
+    def __len__(self) -> int:
+        return len(self._schedulers)
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,16 +63,21 @@ class Intake:
         self.tickets: set[Ticket] = set()  # queued or running: a drain answers what is left
         self.closing = False  # draining or closed: every new request is refused
 
-    def free_at(self, now: float) -> dict[str, float]:
-        """When each device can next start a batch (now, unless all its batch slots are taken)."""
-        return {device: scheduler.free_at(now) for device, scheduler in self._fleet.schedulers.items()}
+    def free_at(self, now: float) -> Mapping[str, float]:
+        """When each device can next start a batch (now, unless all its batch slots are taken), read
+        only for the devices asked about."""
+        return DeviceFreeAt(self._fleet.schedulers, now)
+
+    def figures(self, deployment: Deployment, now: float, *, gate: bool = True) -> ModelFigures:
+        """The model's live figures, the server's own refusal (shutting down) first."""
+        refusal = SHUTTING_DOWN if self.closing else None
+        free = self.free_at(now) if gate else None
+        return deployment.figures(now, refusal=refusal, predict=gate, device_free_at=free)
 
     def check(self, deployment: Deployment, terms: Terms, *, gate: bool = True) -> Admission:
         """The rules over the model's live figures, taking nothing (a look before the body is read)."""
         now = self._clock()
-        refusal = SHUTTING_DOWN if self.closing else None
-        free = self.free_at(now) if gate else None
-        return admit(terms, deployment.figures(now, refusal=refusal, predict=gate, device_free_at=free), now, gate=gate)
+        return admit(terms, self.figures(deployment, now, gate=gate), now, gate=gate)
 
     def commit(self, deployment: Deployment, admission: Admission) -> Accepted:
         """Act on a decision of `check`: take the gate's half-open turn, reserve a queue slot, hold the model."""
@@ -67,11 +91,14 @@ class Intake:
     def admit(self, terms: Terms, *, generation: int | None = None) -> Accepted:
         """Decide, reserve and hold in one step, for an item prepared for the model's `generation`
         (ModelChanged when another version serves now). Raises the RouterError that answers."""
-        deployment = self._fleet.get(terms.model)
+        return Turn(self).admit(terms, generation=generation)
+
+    def deployment(self, model: str, generation: int | None) -> Deployment:
+        deployment = self._fleet.get(model)
         if generation is not None and generation != deployment.generation:
             raise ModelChanged(f"model {deployment.name!r} changed while the request was prepared; retry",
                                retry_after_s=1.0)
-        return self.commit(deployment, self.check(deployment, terms))
+        return deployment
 
     def enqueue(self, accepted: Accepted, item: Any, future: Any, request_id: str, input_bytes: int = 0) -> Ticket:
         """Queue an admitted request's item (its reserved slot becomes the ticket) and wake the scheduler.
@@ -111,3 +138,28 @@ class Intake:
                 deployment.queue.withdraw(ticket)
             reject(ticket, error)
         return len(left)
+
+
+class Turn:
+    """The admissions of one event-loop turn (the requests of one read from a front): each model's
+    figures are read once, and each request admitted counts as queued ahead of the next. A
+    half-open admission takes the gate's turn, so the next request reads the figures again."""
+
+    def __init__(self, intake: Intake) -> None:
+        self._intake = intake
+        self._now = intake._clock()
+        self._figures: dict[str, tuple[Deployment, ModelFigures, int]] = {}
+
+    def admit(self, terms: Terms, *, generation: int | None = None) -> Accepted:
+        deployment = self._intake.deployment(terms.model, generation)
+        known = self._figures.get(deployment.name)
+        if known is None or known[0] is not deployment:
+            known = (deployment, self._intake.figures(deployment, self._now), 0)
+        _, figures, admitted = known
+        admission = admit(terms, figures, self._now, pending=admitted)
+        accepted = self._intake.commit(deployment, admission)
+        if admission.half_open:
+            self._figures.pop(deployment.name, None)
+        else:
+            self._figures[deployment.name] = (deployment, figures, admitted + 1)
+        return accepted

@@ -18,10 +18,10 @@ priority level, deadline, queue position and predicted wait.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from router.errors import InputError, PayloadTooLarge, QueueFull, RouterError, error_named
-from router.scheduling.service_time import HalfOpenGate, Prediction, deadline_gate
+from router.scheduling.service_time import Forecast, deadline_gate, half_open
 
 __all__ = ["Admission", "ModelFigures", "Refusal", "Terms", "admit", "budget_s", "priority_level"]
 
@@ -29,8 +29,7 @@ __all__ = ["Admission", "ModelFigures", "Refusal", "Terms", "admit", "budget_s",
 PREDICTION_FRESH_S = 0.25
 
 
-@dataclass(frozen=True)
-class Terms:
+class Terms(msgspec.Struct, frozen=True):
     """A request as its headers put it, parsed once: what it asks for, and when it arrived (the
     host's monotonic clock, the same in every process)."""
 
@@ -41,8 +40,7 @@ class Terms:
     items: int = 1
 
 
-@dataclass(frozen=True)
-class Refusal:
+class Refusal(msgspec.Struct, frozen=True, array_like=True):
     """Why a model takes no request now: the RouterError class name, its words and retry hint."""
 
     kind: str  # ShuttingDown, ModelUnavailable, ModelDoesNotFit
@@ -53,9 +51,8 @@ class Refusal:
         return error_named(self.kind, self.detail, retry_after_s=self.retry_after_s)
 
 
-@dataclass(frozen=True)
-class ModelFigures:
-    """What the rules need to know of one model at one moment."""
+class ModelFigures(msgspec.Struct, frozen=True, array_like=True):
+    """What the rules need to know of one model at one moment (the engine's board carries it too)."""
 
     name: str
     priority_levels: int
@@ -65,7 +62,7 @@ class ModelFigures:
     occupancy: int  # queued, plus slots reserved by requests being prepared
     retry_after_s: float  # the queue's drain estimate, for a refusal when full
     refusal: Refusal | None = None  # not accepting now
-    prediction: Prediction | None = None  # for one more request queued at `at`
+    forecast: Forecast | None = None  # the deadline gate's: an answer's time from a queue position
     idle: bool = False  # nothing queued and an instance free: admit to measure
     half_open_at: float | None = None  # the half-open gate's last turn
     half_open_interval_s: float = 0.5
@@ -73,8 +70,7 @@ class ModelFigures:
     at: float = 0.0  # when the figures held
 
 
-@dataclass(frozen=True)
-class Admission:
+class Admission(msgspec.Struct, frozen=True):
     """The decision to take a request, made once: it travels with the request to its answer."""
 
     model: str
@@ -130,12 +126,12 @@ def admit(terms: Terms, figures: ModelFigures, now: float, *, pending: int = 0, 
     deadline = arrived + budget_s(figures, terms.timeout_ms)
     check_room(figures, terms.items, pending)
     position = figures.occupancy + pending
-    prediction = figures.prediction
-    if not gate or (prediction is not None and now - figures.at > PREDICTION_FRESH_S):
+    forecast = figures.forecast
+    if not gate or (forecast is not None and now - figures.at > PREDICTION_FRESH_S):
         return Admission(terms.model, level, arrived, deadline, position)
-    turn = HalfOpenGate(figures.half_open_interval_s, figures.half_open_at)
-    decision = deadline_gate(prediction, deadline - now, idle=figures.idle, gate=turn, now=now,
-                             last_sample_at=figures.last_sample_at, take_turn=False)
+    prediction = None if forecast is None else forecast.predict(now, position)
+    turn = half_open(figures.half_open_at, figures.half_open_interval_s, now, figures.last_sample_at)
+    decision = deadline_gate(prediction, deadline - now, idle=figures.idle and pending == 0, half_open=turn)
     if not decision.admit:
         raise QueueFull(f"model {figures.name!r} is overloaded: {decision.reason}; retry later",
                         retry_after_s=decision.retry_after_s)

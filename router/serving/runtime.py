@@ -170,6 +170,12 @@ class Runtime:
         """Requests inside `submit` now."""
         return self._inflight.count
 
+    @property
+    def deployments(self) -> Mapping[str, Deployment]:
+        """The serving deployments, read-only: for the engine process that hosts this runtime (what
+        its fronts need to know of each model), never for a front."""
+        return self._state.deployments
+
     # -- operators' changes ---------------------------------------------------------------------
 
     async def load_model(self, name: str) -> ModelInfo:

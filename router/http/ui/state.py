@@ -10,11 +10,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prometheus_client import Counter, Histogram
+from prometheus_client.core import Metric
 
 from router import __version__
 from router.http.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, RouterMetrics
-from router.serving.runtime import Runtime
+from router.serving.facade import ServingFacade
 from router.serving.snapshots import DeviceInfo
 
 __all__ = ["RESIDENCY_FIELDS", "fleet_state"]
@@ -24,12 +24,12 @@ RESIDENCY_FIELDS = ("residency",)
 _MODEL_FIELDS = ("name", "state", "error", "devices", "required", "requests")
 
 
-def fleet_state(runtime: Runtime, metrics: RouterMetrics) -> dict[str, Any]:
-    """Devices, models and cumulative histograms, at this moment."""
-    latency = _buckets(metrics.answer_latency)
-    queue_wait = _buckets(metrics.queue_wait)
-    batch_size = _buckets(metrics.batch_size)
-    within_deadline = _totals(metrics.within_deadline)
+def fleet_state(runtime: ServingFacade, metrics: RouterMetrics) -> dict[str, Any]:
+    """Devices, models and cumulative histograms (of every process of a split host), at this moment."""
+    latency = _buckets(metrics.family(metrics.answer_latency))
+    queue_wait = _buckets(metrics.family(metrics.queue_wait))
+    batch_size = _buckets(metrics.family(metrics.batch_size))
+    within_deadline = _totals(metrics.family(metrics.within_deadline))
     models = []
     for info in runtime.models():
         described = info.as_dict()
@@ -76,11 +76,11 @@ def _device(device: DeviceInfo) -> dict[str, Any]:
     }
 
 
-def _buckets(histogram: Histogram) -> dict[str, dict[str, Any]]:
+def _buckets(families: list[Metric]) -> dict[str, dict[str, Any]]:
     """Per model: cumulative bucket counts (one per bound, +Inf last), total count and sum."""
     out: dict[str, dict[str, Any]] = {}
-    for family in histogram.collect():
-        for sample in family.samples:
+    for family in families:
+        for sample in sorted(family.samples, key=_bucket_order):
             entry = out.setdefault(sample.labels["model"], {"counts": [], "count": 0, "sum": 0.0})
             if sample.name.endswith("_bucket"):
                 entry["counts"].append(int(sample.value))
@@ -91,6 +91,12 @@ def _buckets(histogram: Histogram) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _totals(counter: Counter) -> dict[str, int]:
-    return {sample.labels["model"]: int(sample.value) for family in counter.collect()
+def _bucket_order(sample: Any) -> float:
+    """Buckets by their bound (the multiprocess collector does not keep their order); others after."""
+    bound = sample.labels.get("le")
+    return float("inf") if bound in (None, "+Inf") else float(bound)
+
+
+def _totals(families: list[Metric]) -> dict[str, int]:
+    return {sample.labels["model"]: int(sample.value) for family in families
             for sample in family.samples if sample.name.endswith("_total")}

@@ -1,0 +1,481 @@
+"""`EngineClient`: the serving façade in a front process (`router.serving.facade.ServingFacade`).
+
+The front's app (native API, KServe V2, /ui, admin) talks to it exactly as to `Runtime`. Behind
+it: refusals from the engine's board with the very rules the engine runs (`precheck`, and again at
+the start of `submit`), `preprocess` and `postprocess` on this process's plugin objects, and one
+`Submit` and one `Reply` per request over the engine's socket. Snapshots are the engine's latest,
+with the request counts of every front. The engine gone: every open request and every new one is
+answered 503 with Retry-After at once, and the client reconnects to the engine's successor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from router.errors import (
+    ConfigError,
+    DeadlineExceeded,
+    EngineUnavailable,
+    ModelChanged,
+    ModelError,
+    ModelNotFound,
+    RouterError,
+    ShuttingDown,
+    brief,
+    outcome_of,
+)
+from router.host.arena import Arena
+from router.host.board import BoardReader
+from router.host.front_models import FrontModel, FrontModels
+from router.host.messages import Call, CallReply, Cancel, Lags, Models, Packed, PayloadRef, Release, Reply, Snapshot, Submit
+from router.host.messages import Terms as TermsMessage
+from router.host.packing import Packer, unpack
+from router.host.stream import EngineStream, handshake
+from router.host.verbs import call_args, decode_result
+from router.sdk.plugin import Payload
+from router.serving.checks import check_answer, check_media_type
+from router.serving.editor import ReloadReport
+from router.serving.inflight import InFlight
+from router.serving.residency_executor import UnloadReport
+from router.serving.rules import Terms, admit
+from router.serving.runtime import Answer
+from router.serving.snapshots import DeviceInfo, ModelInfo
+from router.serving.telemetry import Telemetry, TelemetryFanout
+
+__all__ = ["REQUEST_ARENA_BYTES", "EngineClient"]
+
+log = logging.getLogger("router.host.client")
+REQUEST_ARENA_BYTES = 256 * 1024 * 1024
+RECONNECT_S = 0.1
+LAGS_EVERY_S = 0.05
+#: After a request's deadline the engine answers at once, or when its running batch ends: past that
+#: and this grace the front gives up on it (an engine that hangs).
+GRACE_S = 2.0
+ENGINE_GONE = "the engine process is restarting; retry shortly"
+
+
+class _Waiting:
+    """A request sent to the engine, until its reply."""
+
+    __slots__ = ("expired", "future", "offsets", "timer")
+
+    def __init__(self, future: asyncio.Future[Reply], offsets: list[int]) -> None:
+        self.future, self.offsets = future, offsets
+        self.timer: asyncio.TimerHandle | None = None
+        self.expired = False
+
+
+class EngineClient:
+    def __init__(self, socket_path: Path, front: int, *, cpu_workers: int = 1,
+                 arena_bytes: int = REQUEST_ARENA_BYTES, clock: Callable[[], float] = time.monotonic) -> None:
+        from router.serving.hooks import HookRunner
+
+        self.socket_path = socket_path
+        self.front = front
+        self.clock = clock
+        self.telemetry = TelemetryFanout()
+        self.hooks = HookRunner(cpu_workers, name="front-cpu", clock=clock)
+        self.arena = Arena.create(f"model-router-requests-{front}", arena_bytes)
+        self._packer = Packer(self.arena)
+        self._fleet = FrontModels()
+        self._inflight = InFlight()
+        self._preparing: Counter[str] = Counter()  # requests prepared here, not yet sent
+        self._waiting: dict[int, _Waiting] = {}
+        self._calls: dict[int, asyncio.Future[CallReply]] = {}
+        self._ids = itertools.count(1)
+        self._stream: EngineStream | None = None
+        self._board: BoardReader | None = None
+        self._answers: Arena | None = None
+        self._snapshot: tuple[bool, bool, list[ModelInfo], list[DeviceInfo]] | None = None
+        self._raw_snapshot: Snapshot | None = None
+        self._lags: dict[str, list[float]] = {}
+        self._draining = False
+        self._connected = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.request_counts: Callable[[], dict[str, dict[str, int]]] = dict
+        self.inline_buffers = 0
+
+    # -- connection -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._spawn(self._keep_connected(), "engine-link")
+        self._spawn(self._report_lags(), "report-lags")
+
+    def _spawn(self, work: Any, name: str) -> None:
+        task = asyncio.ensure_future(work)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _keep_connected(self) -> None:
+        """Connect, and after each loss of the engine connect to its successor."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                shake = await asyncio.to_thread(handshake, self.socket_path, self.front, self.arena)
+            except (OSError, ValueError):
+                await asyncio.sleep(RECONNECT_S)
+                continue
+            self._board = BoardReader(shake.board_fd)
+            self._answers = Arena.attach(shake.answer_fd, shake.welcome.arena_bytes)
+            stream = EngineStream(shake.frames, self._on_message, self._on_lost)
+            await loop.create_unix_connection(lambda stream=stream: stream, sock=shake.sock)  # type: ignore[misc]
+            self._stream = stream
+            for message in shake.early:
+                self._on_message(message)
+            log.info("front %d connected to the engine (pid %d, epoch %d)", self.front, shake.welcome.engine_pid,
+                     shake.welcome.epoch)
+            self._connected.set()
+            while not stream.closed:
+                await asyncio.sleep(RECONNECT_S)
+
+    def _on_lost(self) -> None:
+        """The engine is gone: answer everything open with 503 at once; its regions were all ours to reuse."""
+        if self._stream is None:
+            return
+        log.error("front %d lost the engine with %d request(s) open", self.front, len(self._waiting))
+        self._stream = None
+        self._connected.clear()
+        self._board, self._snapshot, self._raw_snapshot = None, None, None
+        waiting, self._waiting = self._waiting, {}
+        for entry in waiting.values():
+            if entry.timer is not None:
+                entry.timer.cancel()
+            if not entry.future.done():
+                entry.future.set_exception(EngineUnavailable(ENGINE_GONE, retry_after_s=2.0))
+        for call in self._calls.values():
+            if not call.done():
+                call.set_exception(EngineUnavailable(ENGINE_GONE, retry_after_s=2.0))
+        self._calls.clear()
+        self.arena.reset()
+        if self._answers is not None:
+            self._answers.close()
+            self._answers = None
+        for model in self._fleet.models.values():
+            model.prepared_generation = 0  # the new engine hands out front states anew
+
+    def _on_message(self, message: Any) -> None:
+        if isinstance(message, Reply):
+            self._on_reply(message)
+        elif isinstance(message, Models):
+            for model in self._fleet.update(message.models):
+                self._spawn(self._fleet.adopt(model), f"adopt-{model.name}")
+        elif isinstance(message, Snapshot):
+            self._raw_snapshot, self._snapshot = message, None
+        elif isinstance(message, CallReply):
+            future = self._calls.pop(message.id, None)
+            if future is not None and not future.done():
+                future.set_result(message)
+
+    def _on_reply(self, reply: Reply) -> None:
+        entry = self._waiting.pop(reply.id, None)
+        if entry is None:
+            return
+        for offset in entry.offsets:  # the engine no longer reads them
+            self.arena.free(offset)
+        if entry.timer is not None:
+            entry.timer.cancel()
+        if not entry.future.done():
+            entry.future.set_result(reply)
+        elif reply.output is not None and reply.output.regions:
+            self._release(reply.output)  # nobody waits for it any more
+
+    def _release(self, packed: Packed) -> None:
+        if self._stream is not None and packed.regions:
+            self._stream.send(Release(tuple(offset for offset, _ in packed.regions)))
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._stream is not None:
+            self._stream.close()
+        self.hooks.shutdown()
+
+    # -- snapshots ------------------------------------------------------------------------------
+
+    def add_telemetry(self, sink: Telemetry) -> None:
+        self.telemetry.sinks.append(sink)
+
+    def _snapshots(self) -> tuple[bool, bool, list[ModelInfo], list[DeviceInfo]]:
+        if self._snapshot is None:
+            raw = self._raw_snapshot
+            if raw is None:
+                return False, self._draining, [], []
+            models = msgspec.msgpack.decode(raw.models, type=list[ModelInfo])
+            devices = msgspec.msgpack.decode(raw.devices, type=list[DeviceInfo])
+            self._snapshot = (raw.ready, raw.draining, models, devices)
+        return self._snapshot
+
+    @property
+    def ready(self) -> bool:
+        ready, draining, _, _ = self._snapshots()
+        return ready and not draining and not self._draining and self._stream is not None
+
+    @property
+    def draining(self) -> bool:
+        return self._draining or self._snapshots()[1]
+
+    @property
+    def in_flight(self) -> int:
+        return self._inflight.count
+
+    def model_names(self) -> list[str]:
+        return list(self._fleet.models)
+
+    def models(self) -> list[ModelInfo]:
+        counts = self.request_counts()
+        return [_with_requests(info, counts.get(info.name)) for info in self._snapshots()[2]]
+
+    def model(self, name: str) -> ModelInfo:
+        for info in self._snapshots()[2]:
+            if info.name == name:
+                return _with_requests(info, self.request_counts().get(name))
+        raise self._not_found(name)
+
+    def devices(self) -> list[DeviceInfo]:
+        return list(self._snapshots()[3])
+
+    def _not_found(self, name: str) -> ModelNotFound:
+        known = ", ".join(sorted(self._fleet.models)) or "none"
+        return ModelNotFound(f"no model named {brief(name, 80)}; models: {known}")
+
+    # -- the request path -----------------------------------------------------------------------
+
+    def _model(self, name: str) -> FrontModel:
+        model = self._fleet.get(name)
+        if model is None:
+            if self._stream is None:
+                raise EngineUnavailable(ENGINE_GONE, retry_after_s=2.0)
+            raise self._not_found(name)
+        return model
+
+    def _screen(self, model: FrontModel, terms: Terms) -> float:
+        """The engine's rules on the board's figures, taking nothing: refusals without a round trip.
+        Returns the request's deadline."""
+        board = self._board
+        if board is None or self._stream is None:
+            raise EngineUnavailable(ENGINE_GONE, retry_after_s=2.0)
+        if self._draining:
+            raise ShuttingDown("server is shutting down; retry on another replica", retry_after_s=5.0)
+        read = board.figures(model.entry.slot, model.name)
+        if read is not None:
+            return admit(terms, read[1], self.clock(), pending=self._preparing[model.name]).deadline
+        limit = model.entry.queue_timeout_ms  # not on the board yet: the engine decides
+        return terms.received_at + (min(terms.timeout_ms, limit) if terms.timeout_ms else limit) / 1000
+
+    def precheck(self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
+                 received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> None:
+        now = self.clock()
+        started = now if received_at is None else min(received_at, now)
+        try:
+            self._screen(self._model(model), Terms(model, started, priority, timeout_ms, items))
+        except RouterError as exc:
+            self._count(model, outcome_of(exc), started)
+            raise
+
+    def _count(self, model: str, outcome: str, started: float) -> None:
+        self.telemetry.observe_request(model, outcome, self.clock() - started)
+
+    async def submit(self, model: str, payload: Payload, *, priority: int | None = None,
+                     timeout_ms: float | None = None, request_id: str | None = None,
+                     received_at: float | None = None) -> Answer:
+        front = self._model(model)
+        request_id = request_id or uuid.uuid4().hex
+        started = self.clock() if received_at is None else min(received_at, self.clock())
+        terms = Terms(model, started, priority, timeout_ms)
+        with self._inflight.request(lambda outcome: self._count(model, outcome, started)):
+            deadline = self._screen(front, terms)
+            if front.accepts:  # else the engine, which has the plugin, checks
+                check_media_type(model, front.accepts, payload)
+            answer = None
+            if front.prepares_here:
+                try:
+                    answer = await self._prepared(front, terms, deadline, payload, request_id)
+                except ModelChanged:  # a new version serves: prepared again, in the engine
+                    pass
+            if answer is None:
+                answer = await self._whole(front, terms, deadline, payload, request_id)
+            self.telemetry.observe_answer(model, self.clock() - started, deadline - started)
+            return answer
+
+    async def _prepared(self, front: FrontModel, terms: Terms, deadline: float, payload: Payload,
+                        request_id: str) -> Answer:
+        """Preprocess here, the batch in the engine, postprocess here."""
+        plugin, name = front.plugin, front.name
+        assert plugin is not None
+        self._preparing[name] += 1
+        try:
+            item = await self.hooks.run(name, front.entry.plugin, "preprocess", plugin.preprocess, payload,
+                                        deadline=deadline)
+            packed = self._pack(item)
+        finally:
+            self._preparing[name] -= 1
+        reply = await self._exchange(front, terms, deadline, request_id, len(payload.body), item=packed)
+        assert reply.output is not None and reply.facts is not None
+        try:
+            output = unpack(reply.output, self._answers)
+            result = await self.hooks.run(name, front.entry.plugin, "postprocess", plugin.postprocess, output, item)
+        finally:
+            self._release(reply.output)
+        check_answer(name, front.entry.plugin, result)
+        facts = reply.facts
+        now = self.clock()
+        lag = self._lags.setdefault(name, [0, 0.0])
+        lag[0] += 1
+        lag[1] += max(0.0, now - facts.dispatched_at - facts.execution_s)
+        wait = max(0.0, facts.dispatched_at - facts.arrived_at)
+        self.telemetry.observe_queue_wait(name, wait)
+        return Answer(request_id, name, result, wait, facts.size, facts.execution_s, facts.memory_delta_bytes,
+                      plugin.describe_input(payload, item))
+
+    async def _whole(self, front: FrontModel, terms: Terms, deadline: float, payload: Payload,
+                     request_id: str) -> Answer:
+        """Hooks in the engine: the raw body there, the final answer back."""
+        body, packing = self._packer.pack(payload.body)
+        ref = PayloadRef(payload.media_type, payload.filename, body)
+        reply = await self._exchange(front, terms, deadline, request_id, len(payload.body), payload=ref,
+                                     offsets=packing.offsets)
+        assert reply.answer is not None and reply.facts is not None
+        facts = reply.facts
+        wait = -facts.arrived_at  # the engine's queue wait, as it measured it
+        self.telemetry.observe_queue_wait(front.name, wait)
+        info = msgspec.msgpack.decode(reply.input_info) if reply.input_info else {}
+        return Answer(request_id, front.name, msgspec.msgpack.decode(reply.answer), wait, facts.size,
+                      facts.execution_s, facts.memory_delta_bytes, info)
+
+    def _pack(self, item: Any) -> tuple[Packed, list[int]]:
+        try:
+            packed, packing = self._packer.pack(item)
+        except Exception as exc:
+            raise ModelError(f"the preprocessed input cannot reach the engine: {type(exc).__name__}: {exc}") from None
+        self.inline_buffers += packing.inline_buffers
+        return packed, packing.offsets
+
+    async def _exchange(self, front: FrontModel, terms: Terms, deadline: float, request_id: str, input_bytes: int,
+                        *, item: tuple[Packed, list[int]] | None = None, payload: PayloadRef | None = None,
+                        offsets: list[int] | None = None) -> Reply:
+        """One Submit, its one Reply. At the deadline the engine is told (it withdraws a queued
+        request: 504); a client gone cancels it there."""
+        stream = self._stream
+        if stream is None:
+            for offset in (item[1] if item else offsets or []):
+                self.arena.free(offset)
+            raise EngineUnavailable(ENGINE_GONE, retry_after_s=2.0)
+        number = next(self._ids)
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        entry = _Waiting(future, item[1] if item else offsets or [])
+        self._waiting[number] = entry
+        stream.send(Submit(number, TermsMessage(terms.model, terms.received_at, terms.priority, terms.timeout_ms,
+                                                terms.items), request_id, front.entry.generation, input_bytes,
+                           item[0] if item else None, payload))
+        entry.timer = asyncio.get_running_loop().call_later(max(0.0, deadline - self.clock()), self._expire, number,
+                                                            front.entry.execution_timeout_ms / 1000 + GRACE_S)
+        try:
+            reply = await future
+        except asyncio.CancelledError:
+            if number in self._waiting and self._stream is not None:
+                self._stream.send(Cancel(number, False))  # the reply still comes, and frees the regions
+            raise
+        if reply.failure is not None:
+            raise reply.failure.error()
+        return reply
+
+    def _expire(self, number: int, grace_s: float) -> None:
+        entry = self._waiting.get(number)
+        if entry is None or self._stream is None:
+            return
+        if not entry.expired:
+            entry.expired = True
+            self._stream.send(Cancel(number, True))
+            entry.timer = asyncio.get_running_loop().call_later(grace_s, self._expire, number, grace_s)
+        elif not entry.future.done():  # an engine that does not answer: give up on it (the reply may still come)
+            entry.future.set_exception(DeadlineExceeded("the engine did not answer within the deadline and the "
+                                                        "model's execution timeout"))
+
+    async def _report_lags(self) -> None:
+        """The time from batch end to answer, per model, for the engine's deadline gate."""
+        while True:
+            await asyncio.sleep(LAGS_EVERY_S)
+            if self._lags and self._stream is not None:
+                lags, self._lags = self._lags, {}
+                self._stream.send(Lags({name: (int(n), total) for name, (n, total) in lags.items()}))
+
+    # -- operators' changes and lifecycle --------------------------------------------------------
+
+    async def _call(self, verb: str, **args: Any) -> Any:
+        await asyncio.wait_for(self._connected.wait(), 30.0)
+        stream = self._stream
+        if stream is None:
+            raise EngineUnavailable(ENGINE_GONE, retry_after_s=2.0)
+        number = next(self._ids)
+        future: asyncio.Future[CallReply] = asyncio.get_running_loop().create_future()
+        self._calls[number] = future
+        stream.send(Call(number, verb, call_args(**args)))
+        reply = await future
+        if reply.failure is not None:
+            if reply.failure.kind == "ConfigError":
+                raise ConfigError(reply.failure.detail)
+            raise reply.failure.error()
+        return decode_result(verb, reply.result)
+
+    async def load_model(self, name: str) -> ModelInfo:
+        return await self._call("load", name=name)  # type: ignore[no-any-return]
+
+    async def unload_model(self, name: str) -> tuple[ModelInfo, list[UnloadReport]]:
+        return await self._call("unload", name=name)  # type: ignore[no-any-return]
+
+    async def release_model(self, name: str, *, unload: bool = False) -> tuple[ModelInfo, list[UnloadReport]]:
+        return await self._call("release", name=name, unload=unload)  # type: ignore[no-any-return]
+
+    async def put_model(self, name: str, section: Mapping[str, Any],
+                        source: str = "PUT /models") -> tuple[str, ModelInfo]:
+        return await self._call("put", name=name, section=dict(section), source=source)  # type: ignore[no-any-return]
+
+    async def delete_model(self, name: str) -> None:
+        await self._call("delete", name=name)
+
+    async def reload(self, path: Path | None = None) -> ReloadReport:
+        return await self._call("reload", path=str(path) if path else None)  # type: ignore[no-any-return]
+
+    def begin_drain(self) -> None:
+        """Refuse new requests here at once, and have the engine refuse them everywhere."""
+        if not self._draining:
+            log.info("front %d draining: %d request(s) in flight", self.front, self._inflight.count)
+        self._draining = True
+        if self._stream is not None:
+            self._spawn(self._call("begin_drain"), "begin-drain")
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new work; wait for this front's requests to be answered; 503 to what is left."""
+        self.begin_drain()
+        try:
+            await self._inflight.until_idle(timeout_s)
+        except TimeoutError:
+            log.warning("drain timeout: answering %d remaining request(s) with 503", len(self._waiting))
+        for number, entry in list(self._waiting.items()):
+            if not entry.future.done():
+                entry.future.set_exception(ShuttingDown("server is shutting down"))
+            if self._stream is not None:
+                self._stream.send(Cancel(number, False))
+        try:
+            await self._inflight.until_idle(5.0)
+        except TimeoutError:
+            log.error("%d request(s) still in flight after drain", self._inflight.count)
+
+
+def _with_requests(info: ModelInfo, counts: Mapping[str, int] | None) -> ModelInfo:
+    """A model's snapshot with the request counts of every front (the engine sees only part of them)."""
+    from dataclasses import replace
+
+    return replace(info, requests=dict(counts or {}))

@@ -1,0 +1,330 @@
+"""The engine process's server: requests from the fronts onto the runtime's queues, answers back.
+
+Each front's `Submit` is decided again here (`Intake.admit`: the same rules the front ran on the
+board, on live figures, taking the queue slot and the hold), queued with a `TicketReply` as its
+ticket's future, and answered with exactly one `Reply` whatever happens: served, refused, expired,
+withdrawn, the front gone (then the answer is dropped). A model that is not serving makes its
+request wait for its load in a task; hooks that run in the engine (`preprocess_needs_model`, or a
+front with no front state yet) go through `Runtime.submit` whole.
+
+Beside the request path: the board (figures for the fronts' refusals, every 2 ms while busy), the
+`Models` the fronts build their plugin objects from, the `Snapshot`s they answer `/models` and
+`/metrics` from, and the admin `Call`s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from router.errors import ClientDisconnected, ModelError, RouterError
+from router.host.board import BOARD_BYTES, BoardWriter
+from router.host.fleet_news import FleetNews
+from router.host.links import FrontLink, Outgoing, Writer, accept_front, read_front
+from router.host.messages import BatchFacts, Call, Cancel, Failure, Lags, Submit
+from router.host.packing import unpack
+from router.host.verbs import run_call
+from router.scheduling.queue import Served, Ticket, reject
+from router.sdk.plugin import Payload
+from router.serving.intake import Accepted, Turn
+from router.serving.rules import Terms
+from router.serving.runtime import Runtime, expired
+
+__all__ = ["EngineServer"]
+
+log = logging.getLogger("router.host.engine")
+BUSY_PUBLISH_S = 0.002
+IDLE_PUBLISH_S = 0.1
+
+
+@dataclass(eq=False)
+class Pending:
+    """A front's request the engine has taken and not yet answered."""
+
+    link: FrontLink
+    id: int
+    accepted: Accepted | None = None
+    ticket: Ticket | None = None
+    task: asyncio.Task[None] | None = None
+    engine_hooks: bool = False
+
+
+class TicketReply:
+    """What a front's ticket resolves (it stands for the asyncio future of one process): the
+    answer goes to the front's outbox."""
+
+    __slots__ = ("_done", "pending", "server")
+
+    def __init__(self, server: EngineServer, pending: Pending) -> None:
+        self.server, self.pending, self._done = server, pending, False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, served: Served) -> None:
+        self._done = True
+        self.server.served(self.pending, served)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._done = True
+        self.server.failed(self.pending, error)
+
+    def cancel(self) -> bool:
+        self._done = True
+        return True
+
+
+class EngineServer:
+    """Listens on the engine's socket; one `FrontLink` per connected front."""
+
+    def __init__(self, runtime: Runtime, socket_path: Path, epoch: int,
+                 on_message: Callable[[str], None] | None = None) -> None:
+        self.runtime = runtime
+        self.socket_path = socket_path
+        self.epoch = epoch
+        self.links: dict[int, FrontLink] = {}
+        self.board = BoardWriter()
+        self.news = FleetNews(runtime, self.board)
+        self.writer = Writer()
+        self._on_message = on_message or (lambda kind: None)
+        self._listener: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._flush_due = False
+        self._last_activity = 0.0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        if self.socket_path.exists():
+            self.socket_path.unlink()
+        listener.bind(str(self.socket_path))
+        os.chmod(self.socket_path, 0o600)
+        listener.listen(64)
+        self._listener = listener
+        self.writer.start()
+        threading.Thread(target=self._accept_loop, name="engine-accept", daemon=True).start()
+        self._spawn(self._publish_loop(), "board")
+        self._spawn(self._news_loop(), "fleet-news")
+        log.info("engine listening on %s (epoch %d)", self.socket_path, self.epoch)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+        for link in list(self.links.values()):
+            link.alive = False
+            try:
+                link.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.writer.stop()
+
+    def _spawn(self, work: Any, name: str) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(work)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _accept_loop(self) -> None:
+        """Accept fronts (a thread: the handshake passes descriptors on blocking sockets)."""
+        assert self._listener is not None and self._loop is not None
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # the listener closed: stopping
+            try:
+                link = accept_front(sock, self.epoch, self.board.fd, BOARD_BYTES)
+            except (OSError, ValueError) as exc:
+                log.warning("a front's handshake failed: %s: %s", type(exc).__name__, exc)
+                sock.close()
+                continue
+            self._loop.call_soon_threadsafe(self._attach, link)
+            threading.Thread(target=read_front, args=(link, self._loop, self._deliver, self._lost, self.writer),
+                             name=f"engine-read-{link.index}", daemon=True).start()
+
+    def _attach(self, link: FrontLink) -> None:
+        self.links[id(link)] = link
+        log.info("%s connected", link.name)
+        self.writer.put(link, [Outgoing(message=self.news.models_message()), Outgoing(message=self.news.snapshot())])
+
+    def _lost(self, link: FrontLink) -> None:
+        """A front went away: withdraw its queued tickets, cancel its tasks; running batches finish
+        and their answers are dropped."""
+        if not link.alive:
+            return
+        link.alive = False
+        self.links.pop(id(link), None)
+        log.warning("%s disconnected with %d request(s) open", link.name, len(link.requests))
+        for pending in list(link.requests.values()):
+            self._cancel(pending, ClientDisconnected(f"{link.name} went away"))
+        self.writer.forget(link)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def _deliver(self, link: FrontLink, batch: list[Any]) -> None:
+        """One read's messages, in order; its requests admitted as one turn (`Turn`)."""
+        self._last_activity = time.monotonic()
+        turn = Turn(self.runtime.intake)
+        for message in batch:
+            if isinstance(message, tuple):
+                submit, item = message
+                self._on_message("submit")
+                self._submit(link, submit, item, turn)
+            elif isinstance(message, Cancel):
+                self._on_message("cancel")
+                pending = link.requests.get(message.id)
+                if pending is not None and not (pending.engine_hooks and message.expired):
+                    error = expired(pending.accepted) if message.expired and pending.accepted else \
+                        ClientDisconnected("the client disconnected before its answer")
+                    self._cancel(pending, error)
+            elif isinstance(message, Lags):
+                self._on_message("lags")
+                self.news.observe_lags(message)
+            elif isinstance(message, Call):
+                self._on_message("call")
+                self._spawn(self._call(link, message), f"call-{message.verb}")
+
+    def _submit(self, link: FrontLink, submit: Submit, item: Any, turn: Turn) -> None:
+        pending = Pending(link, submit.id)
+        link.requests[submit.id] = pending
+        terms = Terms(submit.terms.model, submit.terms.received_at, submit.terms.priority, submit.terms.timeout_ms,
+                      submit.terms.items)
+        if submit.payload is not None:
+            pending.engine_hooks = True
+            pending.task = self._spawn(self._whole(pending, submit), f"request-{submit.request_id}")
+            return
+        try:
+            pending.accepted = turn.admit(terms, generation=submit.generation)
+        except RouterError as exc:
+            self._answer(pending, Outgoing(submit.id, failure=Failure.of(exc)))
+            return
+        if not pending.accepted.deployment.serving:
+            pending.task = self._spawn(self._cold(pending, submit, item), f"cold-{submit.request_id}")
+            return
+        self._enqueue(pending, submit, item)
+
+    def _enqueue(self, pending: Pending, submit: Submit, item: Any) -> None:
+        assert pending.accepted is not None
+        try:
+            pending.ticket = self.runtime.intake.enqueue(pending.accepted, item, TicketReply(self, pending),
+                                                         submit.request_id, submit.input_bytes)
+        except RouterError as exc:
+            self.runtime.intake.unreserve(pending.accepted)
+            self.failed(pending, exc)
+
+    async def _cold(self, pending: Pending, submit: Submit, item: Any) -> None:
+        """A request for a model that is not loaded waits for its load, then queues."""
+        assert pending.accepted is not None
+        try:
+            await self.runtime.until_serving(pending.accepted)
+        except BaseException as exc:
+            self.runtime.intake.unreserve(pending.accepted)
+            self.failed(pending, exc if isinstance(exc, RouterError) else ClientDisconnected("cancelled"))
+            if not isinstance(exc, (RouterError, asyncio.CancelledError)):
+                raise
+            return
+        self._enqueue(pending, submit, item)
+
+    async def _whole(self, pending: Pending, submit: Submit) -> None:
+        """Hooks in the engine: the raw body through `Runtime.submit`, the answer back whole."""
+        assert submit.payload is not None
+        ref = submit.payload
+        body = unpack(ref.body, pending.link.request_arena)
+        terms = submit.terms
+        try:
+            answer = await self.runtime.submit(
+                terms.model, Payload(bytes(body), ref.media_type, ref.filename), priority=terms.priority,
+                timeout_ms=terms.timeout_ms, request_id=submit.request_id, received_at=terms.received_at)
+        except RouterError as exc:
+            self._answer(pending, Outgoing(submit.id, failure=Failure.of(exc)))
+            return
+        except asyncio.CancelledError:
+            self._answer(pending, Outgoing(submit.id, failure=Failure.of(ClientDisconnected("cancelled"))))
+            return
+        facts = BatchFacts(answer.batch_size, 0.0, answer.execution_s, answer.memory_delta_bytes, -answer.queue_wait_s)
+        self._answer(pending, Outgoing(submit.id, answer=self.news.encode(answer.output),
+                                       input_info=self.news.encode(answer.input_info), facts=facts))
+
+    def _cancel(self, pending: Pending, error: RouterError) -> None:
+        """Withdraw a queued ticket (answered with `error`), or cancel the request's task; a running
+        batch is left to finish."""
+        if pending.task is not None:
+            pending.task.cancel()
+        elif pending.ticket is not None and pending.accepted is not None and \
+                self.runtime.intake.withdraw(pending.accepted, pending.ticket):
+            reject(pending.ticket, error)
+
+    def served(self, pending: Pending, served: Served) -> None:
+        batch = served.batch
+        assert pending.ticket is not None
+        facts = BatchFacts(batch.size, batch.dispatched_at, batch.execution_s, batch.memory_delta_bytes,
+                           pending.ticket.arrived_at)
+        self._answer(pending, Outgoing(pending.id, output=served.output, facts=facts, packs=True))
+
+    def failed(self, pending: Pending, error: BaseException) -> None:
+        if not isinstance(error, RouterError):
+            error = ModelError(f"{type(error).__name__}: {error}")
+        self._answer(pending, Outgoing(pending.id, failure=Failure.of(error)))
+
+    def _answer(self, pending: Pending, outgoing: Outgoing) -> None:
+        """The one answer of a request: release what it held, queue the reply for its front."""
+        link = pending.link
+        if link.requests.pop(pending.id, None) is None:
+            return  # answered already
+        if pending.accepted is not None:
+            self.runtime.intake.release(pending.accepted, pending.ticket)
+        if not link.alive:
+            return
+        link.outbox.append(outgoing)
+        if not self._flush_due:
+            self._flush_due = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Once per loop turn: every front's replies of this turn to the writer, in one hand-over each."""
+        self._flush_due = False
+        for link in self.links.values():
+            if link.outbox:
+                items, link.outbox = link.outbox, []
+                self.writer.put(link, items)
+
+    async def _call(self, link: FrontLink, call: Call) -> None:
+        reply = await run_call(self.runtime, call, self.news)
+        if link.alive:
+            self.writer.put(link, [Outgoing(message=reply)])
+        self.news.changed()
+
+    # -- what the fronts read -------------------------------------------------------------------
+
+    async def _publish_loop(self) -> None:
+        """The board: every 2 ms while requests are open or arriving, every 100 ms otherwise."""
+        while True:
+            self.news.publish_board(self.epoch)
+            busy = any(link.requests for link in self.links.values()) or \
+                time.monotonic() - self._last_activity < IDLE_PUBLISH_S
+            await asyncio.sleep(BUSY_PUBLISH_S if busy else IDLE_PUBLISH_S)
+
+    async def _news_loop(self) -> None:
+        """`Models` when the fleet changes, `Snapshot` after any change or every half second."""
+        while True:
+            models, snapshot = self.news.due()
+            for link in list(self.links.values()):
+                items = ([Outgoing(message=models)] if models else []) + ([Outgoing(message=snapshot)] if snapshot else [])
+                if items:
+                    self.writer.put(link, items)
+            await asyncio.sleep(0.05)

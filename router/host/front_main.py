@@ -1,0 +1,79 @@
+"""A front process of a split host, started by the parent (`router.host.supervisor`):
+
+    python -m router.host.front_main --index I --socket PATH --parent PID --workers N
+
+The same Litestar app and connection layer as `model-router serve` with one process, over an
+`EngineClient` instead of a `Runtime`, on its own SO_REUSEPORT listening socket of the host's port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from router.config import ServerSettings, load_settings
+from router.errors import ConfigError
+from router.host.client import EngineClient
+from router.host.titles import die_with_parent, set_title
+from router.http.app import create_app
+from router.http.auth import policy_from_settings
+from router.http.server import run_server
+from router.logs import configure_logging
+from router.serving.threads import available_cores
+
+__all__ = ["listening_socket", "main"]
+
+
+def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A listening socket on `host:port` that shares the port with the other fronts (SO_REUSEPORT):
+    the kernel spreads new connections over them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.set_inheritable(False)
+    return sock
+
+
+def front_cpu_workers(settings: ServerSettings, workers: int) -> int:
+    """Each front's share of the cores for preprocessing (the setting divided among the fronts)."""
+    cores = settings.cpu_workers or available_cores()
+    return max(1, math.ceil(cores / workers))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--socket", type=Path, required=True)
+    parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--workers", type=int, required=True)
+    args = parser.parse_args(argv)
+    die_with_parent(args.parent)
+    set_title(f"front {args.index}")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent orchestrates a stop
+    try:
+        settings = load_settings()
+        policy = policy_from_settings(settings)
+    except ConfigError as exc:
+        print(f"model-router front {args.index}: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level, settings.log_format, role=f"front {args.index}")
+    client = EngineClient(args.socket, args.index, cpu_workers=front_cpu_workers(settings, args.workers))
+    app = create_app(client, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
+                     access_policy=policy, body_timeout_s=settings.body_timeout_s, max_items=settings.max_items,
+                     trim_memory=settings.trim_memory)
+    client.request_counts = app.state.metrics.request_counts
+    sock = listening_socket(settings.host, settings.port)
+    run_server(app, client, settings, sockets=[sock],
+               max_connections=max(1, math.ceil(settings.max_connections / args.workers)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

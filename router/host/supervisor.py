@@ -1,0 +1,218 @@
+"""The parent of a split host: it holds the port, starts one engine and N fronts, and watches them.
+
+- The port: a socket bound with SO_REUSEPORT that never listens (the kernel queues connections
+  only on listening sockets, the fronts'), so a taken port fails here, before anything starts, and
+  stays ours while a front restarts.
+- A front that dies is started again (after 0.5 s, doubling to 10 s while it keeps dying); its
+  clients' connections were reset, nothing else is lost.
+- The engine that dies is started again the same way, and loads the fleet file anew; meanwhile
+  every front answers 503 with Retry-After. Five engine deaths within a minute are a crash loop:
+  everything is stopped and the parent exits 1, for the orchestrator to see.
+- SIGTERM or SIGINT: the fronts drain (they stop taking requests and answer what they hold, which
+  the engine finishes), then the engine stops; exit 0. SIGHUP goes to the engine (reload).
+
+The children run in their own sessions (a terminal's Ctrl-C reaches only this process, which
+stops them in order) and get SIGTERM from the kernel if this process dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from router.config import ServerSettings
+from router.host.titles import set_title
+
+__all__ = ["ENGINE_DEATHS_LIMIT", "Child", "Supervisor", "restart_delay"]
+
+log = logging.getLogger("router.host.supervisor")
+ENGINE_DEATHS_LIMIT = 5
+ENGINE_DEATHS_WINDOW_S = 60.0
+POLL_S = 0.05
+FIRST_RESTART_S = 0.5
+MAX_RESTART_S = 10.0
+#: A child alive this long after a start is well again: its next death restarts it at once.
+HEALTHY_AFTER_S = 30.0
+
+
+def restart_delay(recent_deaths: int) -> float:
+    """Seconds to wait before starting a child that died `recent_deaths` times in a row."""
+    if recent_deaths <= 1:
+        return FIRST_RESTART_S
+    return min(MAX_RESTART_S, FIRST_RESTART_S * 2 ** (recent_deaths - 1))
+
+
+@dataclass
+class Child:
+    """One process the parent started: what it is, how to start it, its deaths."""
+
+    role: str  # "engine" or "front N"
+    command: list[str]
+    process: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    deaths: int = 0  # in a row
+    restart_at: float | None = None
+    death_times: deque[float] = field(default_factory=deque)
+
+
+class Supervisor:
+    def __init__(self, settings: ServerSettings, workers: int) -> None:
+        self.settings = settings
+        self.workers = workers
+        self.run_dir = Path(tempfile.mkdtemp(prefix="model-router-"))
+        self.socket_path = self.run_dir / "engine.sock"
+        self.metrics_dir = self.run_dir / "metrics"
+        self.metrics_dir.mkdir()
+        self._port_holder: socket.socket | None = None
+        self._stopping = False
+        self._reload = False
+        self._epoch = 0
+        self.children: list[Child] = []
+
+    # -- start --------------------------------------------------------------------------------
+
+    def _hold_port(self) -> int:
+        host, port = self.settings.host, self.settings.port
+        holder = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        holder.bind((host, port))
+        self._port_holder = holder
+        return int(holder.getsockname()[1])
+
+    def _environment(self, port: int) -> dict[str, str]:
+        env = {key: value for key, value in os.environ.items() if key != "PROMETHEUS_MULTIPROC_DIR"}
+        env.update({
+            "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir),
+            "MODEL_ROUTER_HOST": self.settings.host,
+            "MODEL_ROUTER_PORT": str(port),
+            "MODEL_ROUTER_CONFIG": str(Path(self.settings.config).resolve()),
+            "MODEL_ROUTER_WORKERS": str(self.workers),
+            "PYTHONUNBUFFERED": "1",
+        })
+        return env
+
+    def _commands(self) -> list[Child]:
+        python, parent, path = sys.executable, str(os.getpid()), str(self.socket_path)
+        engine = Child("engine", [python, "-m", "router.host.engine_main", "--socket", path, "--parent", parent])
+        fronts = [Child(f"front {i}", [python, "-m", "router.host.front_main", "--index", str(i), "--socket", path,
+                                       "--parent", parent, "--workers", str(self.workers)])
+                  for i in range(1, self.workers + 1)]
+        return [engine, *fronts]
+
+    def _start(self, child: Child, env: dict[str, str]) -> None:
+        command = list(child.command)
+        if child.role == "engine":
+            self._epoch += 1
+            command += ["--epoch", str(self._epoch)]
+        child.process = subprocess.Popen(command, env=env, start_new_session=True)
+        child.started_at = time.monotonic()
+        child.restart_at = None
+        log.info("started %s (pid %d)", child.role, child.process.pid)
+
+    # -- run ----------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Serve until a signal; the exit status."""
+        set_title("parent")
+        port = self._hold_port()
+        env = self._environment(port)
+        self.children = self._commands()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_stop)
+        signal.signal(signal.SIGHUP, self._on_hup)
+        log.info("serving %s on http://%s:%d with %d front process(es) and one engine", self.settings.config,
+                 self.settings.host, port, self.workers)
+        try:
+            for child in self.children:
+                self._start(child, env)
+            status = self._watch(env)
+        finally:
+            self._stop_all()
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        return status
+
+    def _on_stop(self, sig: int, frame: FrameType | None) -> None:
+        if self._stopping:  # a second signal: stop now
+            for child in self.children:
+                if child.process is not None and child.process.poll() is None:
+                    child.process.kill()
+        self._stopping = True
+
+    def _on_hup(self, sig: int, frame: FrameType | None) -> None:
+        self._reload = True
+
+    def _watch(self, env: dict[str, str]) -> int:
+        while not self._stopping:
+            if self._reload:
+                self._reload = False
+                engine = self.children[0].process
+                if engine is not None and engine.poll() is None:
+                    log.info("received SIGHUP: the engine re-reads the fleet file")
+                    engine.send_signal(signal.SIGHUP)
+            now = time.monotonic()
+            for child in self.children:
+                if self._check(child, now, env) == "crash loop":
+                    return 1
+            time.sleep(POLL_S)
+        return 0
+
+    def _check(self, child: Child, now: float, env: dict[str, str]) -> str:
+        process = child.process
+        if child.restart_at is not None:
+            if now >= child.restart_at:
+                self._start(child, env)
+            return "waiting"
+        if process is None or process.poll() is None:
+            return "alive"
+        if now - child.started_at > HEALTHY_AFTER_S:
+            child.deaths = 0
+        child.deaths += 1
+        child.death_times.append(now)
+        while child.death_times and now - child.death_times[0] > ENGINE_DEATHS_WINDOW_S:
+            child.death_times.popleft()
+        log.error("%s (pid %d) exited with status %s", child.role, process.pid, process.returncode)
+        if child.role == "engine" and len(child.death_times) >= ENGINE_DEATHS_LIMIT:
+            log.critical("the engine died %d times within %.0f s: stopping the server", len(child.death_times),
+                         ENGINE_DEATHS_WINDOW_S)
+            return "crash loop"
+        delay = restart_delay(child.deaths)
+        child.restart_at = now + delay
+        log.warning("restarting %s in %.1f s", child.role, delay)
+        return "dead"
+
+    # -- stop ---------------------------------------------------------------------------------
+
+    def _stop_all(self) -> None:
+        """The fronts first (they drain), then the engine."""
+        fronts = [c.process for c in self.children[1:] if c.process is not None]
+        engine = self.children[0].process if self.children else None
+        _terminate(fronts, self.settings.drain_timeout_s + 10.0)
+        _terminate([engine] if engine is not None else [], 30.0)
+        if self._port_holder is not None:
+            self._port_holder.close()
+
+
+def _terminate(processes: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    limit = time.monotonic() + timeout_s
+    for process in processes:
+        try:
+            process.wait(max(0.1, limit - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.error("pid %d did not stop within %.0f s: killed", process.pid, timeout_s)
+            process.kill()
+            process.wait(5)
