@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import contextvars
+import functools
 import json
 import logging
 import queue
@@ -13,8 +14,12 @@ import time
 from logging.handlers import QueueHandler, QueueListener
 from typing import Any, Literal, TextIO
 
+import msgspec
+
 __all__ = ["JsonFormatter", "LogFormat", "TextFormatter", "configure_logging", "formatter_for", "record_fields",
            "request_id_var"]
+
+_JSON = msgspec.json.Encoder(enc_hook=str)
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
@@ -27,10 +32,15 @@ LogFormat = Literal["auto", "json", "text"]
 _LEADING = ("model", "request_id", "method", "path", "status", "duration_ms", "queue_wait_ms", "execution_ms", "batch_size")
 
 
+@functools.lru_cache(maxsize=4)
+def _second(seconds: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+
+
 def record_fields(record: logging.LogRecord, formatter: logging.Formatter) -> dict[str, Any]:
     """Time, level, logger, message, request_id and any `extra` fields of one record."""
     entry: dict[str, Any] = {
-        "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+        "ts": f"{_second(int(record.created))}.{int(record.msecs):03d}Z",
         "level": record.levelname.lower(),
         "logger": record.name,
         "message": record.getMessage(),
@@ -47,10 +57,14 @@ def record_fields(record: logging.LogRecord, formatter: logging.Formatter) -> di
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line (see `record_fields`)."""
+    """One JSON object per line (see `record_fields`); what JSON cannot hold is shown as text."""
 
     def format(self, record: logging.LogRecord) -> str:
-        return json.dumps(record_fields(record, self), default=str)
+        fields = record_fields(record, self)
+        try:
+            return _JSON.encode(fields).decode()
+        except (TypeError, ValueError, OverflowError):  # keys msgspec will not write (a tuple, a huge int)
+            return json.dumps(fields, default=str)
 
 
 class TextFormatter(logging.Formatter):

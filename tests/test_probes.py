@@ -15,6 +15,7 @@ import pytest
 
 from router.scheduling.probes import (
     HostMemoryProbe,
+    _meminfo_kib,
     MemoryProbe,
     MemoryReading,
     NvmlProbe,
@@ -69,6 +70,16 @@ def test_host_probe_agrees_with_psutil() -> None:
 
     assert reading.total_bytes == memory.total
     assert abs(reading.used_bytes - (memory.total - memory.available)) < 300 * MiB
+
+
+def test_host_probe_reads_meminfo_fields_and_falls_back_to_psutil_without_them() -> None:
+    text = b"MemTotal:       24684124 kB\nMemFree:   100 kB\nMemAvailable:   20000000 kB\n"
+    assert _meminfo_kib(text, b"MemTotal:") == 24684124
+    assert _meminfo_kib(text, b"MemAvailable:") == 20000000
+    assert _meminfo_kib(b"MemTotal: 5 kB\n", b"MemAvailable:") is None
+    probe = HostMemoryProbe()
+    probe.close()  # no /proc/meminfo descriptor: psutil answers
+    assert probe.read().total_bytes == psutil.virtual_memory().total
 
 
 def test_process_probe_sees_this_process_grow_and_shrink_above_its_baseline() -> None:

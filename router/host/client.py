@@ -57,6 +57,8 @@ __all__ = ["REQUEST_ARENA_BYTES", "EngineClient"]
 log = logging.getLogger("router.host.client")
 REQUEST_ARENA_BYTES = 256 * 1024 * 1024
 RECONNECT_S = 0.1
+#: How long a front waits at start for the engine before it serves anyway (answering 503 until then).
+START_WAIT_S = 60.0
 LAGS_EVERY_S = 0.05
 #: After a request's deadline the engine answers at once, or when its running batch ends: past that
 #: and this grace the front gives up on it (an engine that hangs).
@@ -101,6 +103,7 @@ class EngineClient:
         self._lags: dict[str, list[float]] = {}
         self._draining = False
         self._connected = asyncio.Event()
+        self._synced = asyncio.Event()  # a snapshot came from the engine connected now
         self._tasks: set[asyncio.Task[Any]] = set()
         self.request_counts: Callable[[], dict[str, dict[str, int]]] = dict
         self.inline_buffers = 0
@@ -108,8 +111,15 @@ class EngineClient:
     # -- connection -----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Connect to the engine and wait (up to START_WAIT_S) for its fleet and first snapshot: the
+        app starts serving (its listening socket queues connections meanwhile) only once it can
+        answer them."""
         self._spawn(self._keep_connected(), "engine-link")
         self._spawn(self._report_lags(), "report-lags")
+        try:
+            await asyncio.wait_for(self._synced.wait(), START_WAIT_S)
+        except TimeoutError:
+            log.error("front %d: no engine after %.0f s; answering 503 until it comes", self.front, START_WAIT_S)
 
     def _spawn(self, work: Any, name: str) -> None:
         task = asyncio.ensure_future(work)
@@ -146,6 +156,7 @@ class EngineClient:
         log.error("front %d lost the engine with %d request(s) open", self.front, len(self._waiting))
         self._stream = None
         self._connected.clear()
+        self._synced.clear()
         self._board, self._snapshot, self._raw_snapshot = None, None, None
         waiting, self._waiting = self._waiting, {}
         for entry in waiting.values():
@@ -172,6 +183,7 @@ class EngineClient:
                 self._spawn(self._fleet.adopt(model), f"adopt-{model.name}")
         elif isinstance(message, Snapshot):
             self._raw_snapshot, self._snapshot = message, None
+            self._synced.set()
         elif isinstance(message, CallReply):
             future = self._calls.pop(message.id, None)
             if future is not None and not future.done():

@@ -30,4 +30,5 @@ def access_line(method: str | None, path: str, status: int, seconds: float,
     line.update(fields or {})
     if request_id is not None:
         line["request_id"] = request_id
-    log.info("request", extra=line)
+    if log.isEnabledFor(logging.INFO):  # the record made directly: no search of the stack for the caller
+        log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, "request", (), None, extra=line))

@@ -257,6 +257,7 @@ def create_app(
     and loads models in the background. `bound_metrics`: a registry already bound to the runtime, with
     collectors of its own (the cluster's); by default a fresh one bound here."""
     memory = BodyMemory() if trim_memory else None
+    policy = access_policy or AccessPolicy()
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -275,7 +276,8 @@ def create_app(
         route_handlers=[predict, list_models, show_model, live, ready, metrics, *ADMIN_ROUTES, v2_router, ui_router],
         lifespan=[lifespan],
         exception_handlers={Exception: _error_response},
-        guards=[access_guard],
+        # Without keys every route is open: no guard (Litestar copies the route handler for each guard call).
+        guards=[access_guard] if policy.enabled else [],
         request_max_body_size=max_body_bytes,
         multipart_form_part_limit=MULTIPART_PART_LIMIT,
         openapi_config=OpenAPIConfig(title="model-router", version=__version__, path="/schema"),
@@ -291,5 +293,5 @@ def create_app(
         router_metrics = RouterMetrics()
         router_metrics.bind(runtime)
     app.state.metrics = router_metrics
-    app.state.access_policy = access_policy or AccessPolicy()
+    app.state.access_policy = policy
     return app

@@ -18,24 +18,30 @@ T = TypeVar("T")
 async def run_unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
     """Await `work`; if the client disconnects first, cancel it and raise ClientDisconnected (499,
     for the access log: the client's leaving is not the server's error). Call only after the
-    request body has been read: `receive` then yields nothing but the disconnect."""
-    task = asyncio.ensure_future(work)
+    request body has been read: `receive` then yields nothing but the disconnect. The work runs
+    in the caller's task (one task per request, the watcher's, not two)."""
+    current = asyncio.current_task()
+    assert current is not None
+    state = {"gone": False, "finished": False}
+
+    def on_disconnect(done: asyncio.Task[None]) -> None:
+        if done.cancelled() or done.exception() is not None or state["finished"]:
+            return
+        state["gone"] = True
+        current.cancel()
+
     watcher = asyncio.ensure_future(_wait_disconnect(receive))
-    watcher.add_done_callback(lambda done: None if done.cancelled() else task.cancel())
+    watcher.add_done_callback(on_disconnect)
     try:
-        return await task
+        return await work
     except asyncio.CancelledError:
-        if watcher.done() and not watcher.cancelled() and not _being_cancelled():
+        if state["gone"] and current.cancelling() == 1:  # our cancel alone, not a shutdown's
+            current.uncancel()
             raise ClientDisconnected("the client disconnected before its answer") from None
         raise
     finally:
+        state["finished"] = True
         watcher.cancel()
-
-
-def _being_cancelled() -> bool:
-    """Whether the caller's own task is being cancelled (shutdown), not just the work."""
-    current = asyncio.current_task()
-    return current is not None and current.cancelling() > 0
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psutil
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
@@ -90,19 +90,28 @@ class RouterMetrics:
             "model_router_shared_memory_inline", "Large buffers that crossed between processes inside a message "
             "because the shared-memory arena was full, by direction.", ["direction"], registry=registry,
         )
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         ProcessCollector(registry=self.registry)  # this process's process_cpu_seconds_total, resident memory, ...
         self.registry.register(_HostCollector())
 
     def observe_batch(self, model: str, size: int, seconds: float) -> None:
-        self.batch_size.labels(model).observe(size)
-        self.execution.labels(model).observe(seconds)
+        self._child(self.batch_size, model).observe(size)
+        self._child(self.execution, model).observe(seconds)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """A metric's child for these label values, looked up once (`labels()` locks and checks)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def observe_request(self, model: str, outcome: str, seconds: float) -> None:
-        self.requests.labels(model, outcome).inc()
-        self.request_latency.labels(model).observe(seconds)
+        self._child(self.requests, model, outcome).inc()
+        self._child(self.request_latency, model).observe(seconds)
 
     def observe_queue_wait(self, model: str, seconds: float) -> None:
-        self.queue_wait.labels(model).observe(seconds)
+        self._child(self.queue_wait, model).observe(seconds)
 
     def observe_load(self, model: str, device: str, seconds: float, ok: bool) -> None:
         self.loads.labels(model, device, "ok" if ok else "failed").inc()
@@ -116,9 +125,9 @@ class RouterMetrics:
         self.cold_waits.labels(model).observe(seconds)
 
     def observe_answer(self, model: str, seconds: float, deadline_s: float) -> None:
-        self.answer_latency.labels(model).observe(seconds)
+        self._child(self.answer_latency, model).observe(seconds)
         if seconds <= deadline_s:
-            self.within_deadline.labels(model).inc()
+            self._child(self.within_deadline, model).inc()
 
     def bind(self, runtime: ServingFacade) -> None:
         """Receive the runtime's events and read its state at scrape time."""

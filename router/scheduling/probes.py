@@ -47,20 +47,45 @@ class MemoryProbe(Protocol):
 
 
 class HostMemoryProbe:
-    """Host RAM through psutil: used = total - available."""
+    """Host RAM: used = total - available. On Linux, MemTotal and MemAvailable straight from
+    /proc/meminfo (the scheduler reads it around every batch: psutil's full parse cost ten times
+    as much); psutil elsewhere."""
 
     def __init__(self, device: str = "cpu") -> None:
         import psutil
 
         self.device = device
         self._psutil = psutil
+        try:
+            self._meminfo: int | None = os.open("/proc/meminfo", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._meminfo = None
 
     def read(self) -> MemoryReading:
+        if self._meminfo is not None:
+            text = os.pread(self._meminfo, 8192, 0)
+            total, available = _meminfo_kib(text, b"MemTotal:"), _meminfo_kib(text, b"MemAvailable:")
+            if total is not None and available is not None:
+                return MemoryReading((total - available) * 1024, total * 1024).check()
         memory = self._psutil.virtual_memory()
         return MemoryReading(memory.total - memory.available, memory.total).check()
 
     def close(self) -> None:
-        pass
+        if self._meminfo is not None:
+            os.close(self._meminfo)
+            self._meminfo = None
+
+
+def _meminfo_kib(text: bytes, field: bytes) -> int | None:
+    """A /proc/meminfo field's value in KiB (`MemTotal:   24684124 kB`), or None if absent."""
+    at = text.find(field)
+    if at < 0:
+        return None
+    end = text.find(b"\n", at)
+    try:
+        return int(text[at + len(field):end if end >= 0 else None].split()[0])
+    except (ValueError, IndexError):
+        return None
 
 
 class ProcessMemoryProbe:

@@ -46,7 +46,7 @@ def _recv(conn: Connection) -> Any:
 log = logging.getLogger("router.serving.isolation")
 #: Hooks the child answers.
 HOOKS = frozenset({"load", "preprocess", "predict_batch", "postprocess", "describe_input", "memory_estimate",
-                   "example_payload", "warmup", "unload"})
+                   "example_payload", "warmup", "unload", "front_state"})
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 
@@ -98,6 +98,10 @@ class RemotePlugin(ModelPlugin[BaseModel]):
 
     def example_payload(self) -> Payload | None:
         return self._local.example_payload()
+
+    def front_state(self) -> Any:
+        """The child's loaded plugin's, for the front processes of a split host."""
+        return self._call("front_state")
 
     def warmup(self, batch_size: int) -> None:
         self._call("warmup", batch_size)
@@ -230,7 +234,7 @@ def _child_main(conn: Connection) -> None:
                     _send(conn, ("error", call_id, InputError(f"no hook named {hook!r}")))
                 continue
             # The instance's own hooks run one at a time, in order; pre- and postprocessing beside them.
-            own = hook in ("load", "unload", "warmup", "memory_estimate", "predict_batch")
+            own = hook in ("load", "unload", "warmup", "memory_estimate", "predict_batch", "front_state")
             (instance if own else pool).submit(answer, call_id, hook, args)
 
 

@@ -9,7 +9,11 @@ checked the same way, as docs/plugins.md describes it:
 - `memory_estimate` is a MemoryEstimate of non-negative integers;
 - `preprocess` -> `predict_batch` -> `postprocess` gives one answer per input, in order (each
   answer is nearest to the same input's answer run alone), and every answer is JSON without NaN;
-- warm-up with the example payload, `describe_input` and `unload` run.
+- warm-up with the example payload, `describe_input` and `unload` run;
+- split into processes (`workers: N`), an object that was only constructed, as a front process
+  has it, takes the loaded object's `front_state()` (pickled, as between processes) and then
+  preprocesses and postprocesses as the loaded one does, its items crossing to the loaded one
+  as they cross to the engine; unless the plugin says `preprocess_needs_model`.
 
 A plugin with no case below fails: add one when you add a plugin.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatch
@@ -29,6 +34,7 @@ import pytest
 
 from router.config import FleetConfig
 from router.errors import ConfigError
+from router.host.packing import Packer, unpack
 from router.sdk import MemoryEstimate, ModelPlugin, Payload, PluginContext
 from router.serving.plan import resolve_fleet
 from router.serving.registry import PluginRegistry, validate_plugin_class
@@ -96,6 +102,7 @@ def test_plugin_keeps_the_contract(name: str, request: pytest.FixtureRequest, pa
             assert accepts(cls, example), f"the example payload's {example.media_type} is not in {cls.accepts}"
             plugin.warmup(2)
         check_round_trip(plugin, inputs)
+        check_front_process(cls, options, store, plugin, inputs)
     finally:
         plugin.unload()
 
@@ -137,6 +144,22 @@ def check_round_trip(plugin: ModelPlugin[Any], inputs: list[Payload]) -> None:
     assert order == list(range(len(items))), f"batch answers match the inputs run alone in the order {order}"
     for payload, item in zip(inputs, items, strict=True):
         json.dumps(plugin.describe_input(payload, item), allow_nan=False)
+
+
+def check_front_process(cls: type[ModelPlugin[Any]], options: Any, store: Path, loaded: ModelPlugin[Any],
+                        inputs: list[Payload]) -> None:
+    if cls.preprocess_needs_model:
+        return  # its hooks run in the engine, beside the model
+    front = cls(options, PluginContext("m", store))
+    front.adopt_front_state(pickle.loads(pickle.dumps(loaded.front_state(), protocol=5)))
+    for payload in inputs:
+        item = front.preprocess(payload)
+        packed, _ = Packer(None).pack(item)
+        output = loaded.predict_batch([unpack(packed, None)])[0]  # the item as the engine receives it
+        here = front.postprocess(unpack(Packer(None).pack(output)[0], None), item)
+        there = loaded.postprocess(output, loaded.preprocess(payload))
+        assert distance(here, there) == 0, (here, there)
+        json.dumps(front.describe_input(payload, item), allow_nan=False)
 
 
 def distance(a: Any, b: Any) -> float:

@@ -100,7 +100,7 @@ class OnnxPlugin(ModelPlugin[OnnxOptions]):
         log.info("model %s: %s task on %s via %s", name, metadata.task, device, ", ".join(self.providers))
 
     def preprocess(self, payload: Payload) -> Any:
-        return self._loaded()[1].preprocess(payload)
+        return self._prepared().preprocess(payload)
 
     def predict_batch(self, items: Sequence[Any]) -> list[Any]:
         """One session run for the batch; decoding (NMS or top-k) where the output is."""
@@ -111,7 +111,15 @@ class OnnxPlugin(ModelPlugin[OnnxOptions]):
             return processing.decode(raw)
 
     def postprocess(self, output: Any, item: Any) -> dict[str, Any]:
-        return self._loaded()[1].postprocess(output, item)
+        return self._prepared().postprocess(output, item)
+
+    def front_state(self) -> TaskProcessing:
+        """The task's pre- and post-processing, built from the graph's metadata at load: the front
+        processes of a split host adopt it."""
+        return self._prepared()
+
+    def adopt_front_state(self, state: TaskProcessing) -> None:
+        self._processing = state
 
     def describe_input(self, payload: Payload, item: Any) -> dict[str, Any]:
         size = image_size(payload.body)
@@ -177,6 +185,12 @@ class OnnxPlugin(ModelPlugin[OnnxOptions]):
         if self._facts is None or self._processing is None:
             raise RuntimeError(f"model {self.context.model_name!r} is not loaded")
         return self._facts, self._processing
+
+    def _prepared(self) -> TaskProcessing:
+        """The processing of the loaded model, or the one a front adopted."""
+        if self._processing is None:
+            raise RuntimeError(f"model {self.context.model_name!r} is not loaded")
+        return self._processing
 
 
 def _onnxruntime(model: str) -> Any:

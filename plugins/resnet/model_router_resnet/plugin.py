@@ -108,6 +108,14 @@ class ResNetPlugin(ModelPlugin[ResNetOptions]):
         network.eval().to(self.device)
         self._network = network.half() if self.options.half else network
 
+    def front_state(self) -> ClassifyProcessing:
+        """What preprocessing and postprocessing need of the loaded model (its labels): the front
+        processes of a split host adopt it."""
+        return self.processing
+
+    def adopt_front_state(self, state: ClassifyProcessing) -> None:
+        self.processing, self.labels = state, list(state.labels)
+
     @property
     def module(self) -> torch.nn.Module:
         """The loaded torch network, e.g. for export."""

@@ -99,7 +99,7 @@ class TensorRTPlugin(ModelPlugin[TensorRTOptions]):
         self.metadata, self._processing, self._runner = metadata, processing, runner
 
     def preprocess(self, payload: Payload) -> Any:
-        return self._loaded()[0].preprocess(payload)
+        return self._prepared().preprocess(payload)
 
     def predict_batch(self, items: Sequence[Any]) -> list[Any]:
         """Stage the batch on the device, run the engine on the plugin's stream, decode where the output is."""
@@ -109,7 +109,21 @@ class TensorRTPlugin(ModelPlugin[TensorRTOptions]):
             return processing.decode(raw)
 
     def postprocess(self, output: Any, item: Any) -> dict[str, Any]:
-        return self._loaded()[0].postprocess(output, item)
+        return self._prepared().postprocess(output, item)
+
+    def front_state(self) -> TaskProcessing:
+        """The task's pre- and post-processing, built from the engine's metadata at load: the front
+        processes of a split host adopt it."""
+        return self._prepared()
+
+    def adopt_front_state(self, state: TaskProcessing) -> None:
+        self._processing = state
+
+    def _prepared(self) -> TaskProcessing:
+        """The processing of the loaded engine, or the one a front adopted."""
+        if self._processing is None:
+            raise RuntimeError(f"model {self.context.model_name!r} is not loaded")
+        return self._processing
 
     def memory_estimate(self) -> MemoryEstimate:
         """Engine plus its device memory plus the owned buffers as weights; per item the staged input and output copy."""

@@ -119,6 +119,14 @@ class YoloPlugin(ModelPlugin[YoloOptions]):
         )
         self._network = network
 
+    def front_state(self) -> YoloProcessing:
+        """What preprocessing and postprocessing need of the loaded model (stride, class names): the
+        front processes of a split host adopt it."""
+        return self.processing
+
+    def adopt_front_state(self, state: YoloProcessing) -> None:
+        self._processing, self.names = state, list(state.names)
+
     @property
     def processing(self) -> YoloProcessing:
         """The pre- and post-processing this model uses (after `load`); engine plugins reuse it."""

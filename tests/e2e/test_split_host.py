@@ -1,0 +1,256 @@
+"""A split host (`workers: 2`) with real processes: the parent, one engine, two fronts on one port.
+
+Each test starts `model-router serve` with MODEL_ROUTER_WORKERS=2 and drives it over HTTP on
+loopback: what a client sees, what `ps` shows, what the processes do when one of them dies, on
+SIGTERM and SIGHUP, and that a front refuses from the engine's board without a round trip.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import RouterProcess, metric_value, serve
+
+pytestmark = pytest.mark.e2e
+
+SPLIT = {"MODEL_ROUTER_WORKERS": "2"}
+
+
+def fleet(fixed_ms: float = 2, max_batch: int = 8, queue: int = 256, extra: str = "", name: str = "m") -> str:
+    return (f"models:\n  {name}:\n    plugin: scripted\n    options: {{fixed_ms: {fixed_ms}}}\n"
+            f"    queue: {{max_size: {queue}, timeout_ms: 10000}}\n    batch: {{max_size: {max_batch}, max_delay_ms: 1}}\n"
+            f"{extra}")
+
+
+def roles(server: RouterProcess) -> dict[str, int]:
+    """The children's titles (as `ps` shows them) and pids."""
+    found = {}
+    for child in psutil.Process(server.process.pid).children():
+        try:
+            title = " ".join(child.cmdline()).strip("\0 ")
+        except psutil.Error:  # one that just died, not yet reaped
+            continue
+        if title.startswith("model-router: "):
+            found[title.removeprefix("model-router: ")] = child.pid
+    return found
+
+
+def until(condition: Callable[[], object], timeout_s: float = 30.0, what: str = "the condition") -> None:
+    limit = time.monotonic() + timeout_s
+    while time.monotonic() < limit:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{what} did not hold within {timeout_s} s")
+
+
+def predict(conn: http.client.HTTPConnection, ident: str, model: str = "m") -> http.client.HTTPResponse:
+    conn.request("POST", f"/models/{model}/predict", body=json.dumps({"id": ident}),
+                 headers={"content-type": "application/json"})
+    response = conn.getresponse()
+    response.read()
+    return response
+
+
+@dataclass
+class Client:
+    """One client thread on its own keep-alive connection, sending until told to stop."""
+
+    port: int
+    name: str
+    results: list[tuple[float, int, bool]] = field(default_factory=list)  # (time, status or 0, Retry-After)
+    local_ports: list[int] = field(default_factory=list)  # of each connection it opened, in order
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        conn = self._connect()
+        count = 0
+        while not self.stop.is_set():
+            count += 1
+            try:
+                response = predict(conn, f"{self.name}-{count}")
+                self.results.append((time.monotonic(), response.status, response.getheader("retry-after") is not None))
+            except (OSError, http.client.HTTPException):
+                self.results.append((time.monotonic(), 0, False))
+                conn.close()
+                conn = self._connect()
+
+    def _connect(self) -> http.client.HTTPConnection:
+        while True:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=20)
+            try:
+                conn.connect()
+            except OSError:
+                time.sleep(0.05)
+                continue
+            self.local_ports.append(conn.sock.getsockname()[1])
+            return conn
+
+
+def run_clients(server: RouterProcess, count: int) -> tuple[list[Client], list[threading.Thread]]:
+    port = int(server.url.rsplit(":", 1)[1])
+    clients = [Client(port, f"c{i}") for i in range(count)]
+    threads = [threading.Thread(target=c.run, daemon=True) for c in clients]
+    for thread in threads:
+        thread.start()
+    return clients, threads
+
+
+def stop_clients(clients: list[Client], threads: list[threading.Thread]) -> None:
+    for client in clients:
+        client.stop.set()
+    for thread in threads:
+        thread.join(30)
+
+
+def client_ports_of(pid: int, server_port: int) -> set[int]:
+    return {c.raddr.port for c in psutil.Process(pid).net_connections("tcp")
+            if c.laddr and c.laddr.port == server_port and c.raddr}
+
+
+def test_two_fronts_and_an_engine_serve_like_one_process(tmp_path: Path) -> None:
+    with serve(tmp_path, fleet(), env=SPLIT) as server:
+        assert set(roles(server)) == {"engine", "front 1", "front 2"}
+        answers = []
+        for _ in range(20):  # a new connection each: the kernel spreads them over both fronts
+            with httpx.Client(base_url=server.url, timeout=20) as client:
+                answers.append(client.post("/models/m/predict", json={"id": "x"}))
+        assert [a.status_code for a in answers] == [200] * 20 and answers[0].json()["result"]["id"] == "x"
+        served_by = Counter(r["role"] for r in server.log_records() if r.get("message") == "request"
+                            and r.get("path") == "/models/m/predict")
+        assert set(served_by) == {"front 1", "front 2"}, served_by
+        model = httpx.get(server.url + "/models/m").json()
+        assert model["state"] == "ready" and model["requests"]["ok"] == 20  # every front's count
+        text = httpx.get(server.url + "/metrics").text
+        assert metric_value(text, "model_router_requests_total", model="m", outcome="ok") == 20
+        assert metric_value(text, "model_router_batch_size_sum", model="m") == 20  # the engine's batches
+        assert metric_value(text, "model_router_queue_capacity", model="m") == 256  # the engine's state, once
+        assert httpx.post(server.url + "/models/m/unload").status_code == 200  # forwarded to the engine
+        unloaded = httpx.post(server.url + "/models/m/predict", json={"id": "y"})
+        assert unloaded.status_code == 503 and "unloaded by an operator" in unloaded.json()["detail"]
+        assert httpx.post(server.url + "/models/m/load", timeout=30).json()["state"] == "ready"
+        assert httpx.post(server.url + "/models/m/predict", json={"id": "z"}).status_code == 200
+        assert httpx.get(server.url + "/ui/state").json()["models"][0]["name"] == "m"
+        assert server.stop() == 0
+
+
+def test_a_front_killed_under_load_loses_only_its_own_requests(tmp_path: Path) -> None:
+    with serve(tmp_path, fleet(fixed_ms=5), env=SPLIT) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+        clients, threads = run_clients(server, 8)
+        until(lambda: all(len(c.results) > 5 for c in clients), what="every client served")
+        victim = roles(server)["front 1"]
+        on_victim = client_ports_of(victim, port)
+        assert on_victim, "the kernel gave front 1 none of the 8 connections"
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        until(lambda: roles(server).get("front 1", victim) != victim, what="front 1 restarted")
+        until(lambda: all(any(t > killed_at + 1 and s == 200 for t, s, _ in c.results) for c in clients),
+              what="every client served again")
+        stop_clients(clients, threads)
+    for client in clients:
+        failed = [status for _, status, _ in client.results if status != 200]
+        if client.local_ports[0] in on_victim:
+            assert set(failed) <= {0} and len(failed) <= 2, f"{client.name} on the killed front: {failed}"
+        else:
+            assert failed == [], f"{client.name} on the surviving front lost requests: {failed}"
+    assert sum(1 for c in clients for _, s, _ in c.results if s == 0) >= 1  # the killed front's open requests
+
+
+def test_the_engine_killed_under_load_answers_503_with_retry_after_then_serves_again(tmp_path: Path) -> None:
+    with serve(tmp_path, fleet(fixed_ms=20), env=SPLIT) as server:
+        clients, threads = run_clients(server, 6)
+        until(lambda: all(len(c.results) > 3 for c in clients), what="every client served")
+        engine = roles(server)["engine"]
+        killed_at = time.monotonic()
+        os.kill(engine, signal.SIGKILL)
+        until(lambda: all(any(t > killed_at and s == 200 for t, s, _ in c.results) for c in clients), 60,
+              what="service back after the engine's restart")
+        stop_clients(clients, threads)
+        assert roles(server)["engine"] != engine
+    after = [(t - killed_at, s, retry) for c in clients for t, s, retry in c.results if t > killed_at]
+    refused = [(t, s, retry) for t, s, retry in after if s != 200]
+    assert refused, "no request met the engine's absence"
+    assert {s for _, s, _ in refused} == {503} and all(retry for _, _, retry in refused), refused[:5]
+    assert min(t for t, _, _ in refused) < 2.0  # at once, not after a timeout
+
+
+def test_sigterm_answers_every_request_the_engine_had_queued(tmp_path: Path) -> None:
+    with serve(tmp_path, fleet(fixed_ms=300, max_batch=1), env=SPLIT) as server:
+        results: list[int] = []
+
+        def one(ident: str) -> None:
+            with httpx.Client(base_url=server.url, timeout=30) as client:
+                results.append(client.post("/models/m/predict", json={"id": ident}).status_code)
+
+        threads = [threading.Thread(target=one, args=(f"q{i}",)) for i in range(6)]
+        for thread in threads:
+            thread.start()
+        until(lambda: httpx.get(server.url + "/models/m").json()["queue"]["depth"] >= 3, 10,
+              what="requests queued in the engine")
+        server.process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(30)
+        assert server.process.wait(60) == 0
+    assert results == [200] * 6
+
+
+def test_a_front_refuses_a_surge_from_the_board_without_asking_the_engine(tmp_path: Path) -> None:
+    with serve(tmp_path, fleet(fixed_ms=2000, max_batch=1, queue=2), env=SPLIT) as server:
+        holders = [threading.Thread(target=lambda: httpx.post(server.url + "/models/m/predict", json={"id": "h"},
+                                                               timeout=30)) for _ in range(3)]
+        for thread in holders:
+            thread.start()
+        until(lambda: httpx.get(server.url + "/models/m").json()["queue"]["depth"] == 2, 10, what="the queue full")
+
+        def submits() -> float:
+            return metric_value(httpx.get(server.url + "/metrics").text, "model_router_engine_messages_total",
+                                kind="submit")
+
+        time.sleep(0.3)  # past the engine's counting interval
+        before = submits()
+        with httpx.Client(base_url=server.url, timeout=10) as client:
+            surge = [client.post("/models/m/predict", json={"id": f"s{i}"}) for i in range(40)]
+        time.sleep(0.3)
+        after = submits()
+        for thread in holders:
+            thread.join(30)
+    assert before == 3
+    assert [r.status_code for r in surge] == [503] * 40 and all("retry-after" in r.headers for r in surge)
+    assert "queue is full" in surge[0].json()["detail"]
+    assert after == before, f"the engine received {after - before} of the 40 refused requests"
+    refused_early = [r for r in server.log_records() if r.get("refused") == "before the app"]
+    assert len(refused_early) == 40  # answered by the fronts' connections, from the board
+
+
+def test_sighup_reaches_the_engine_and_every_front_learns_the_new_model(tmp_path: Path) -> None:
+    with serve(tmp_path, fleet(), env=SPLIT) as server:
+        config = tmp_path / "fleet.yaml"
+        config.write_text(fleet() + fleet(name="b").removeprefix("models:\n"), encoding="utf-8")
+        server.process.send_signal(signal.SIGHUP)
+        until(lambda: {m["name"]: m["state"] for m in httpx.get(server.url + "/models").json()["models"]}.get("b")
+              == "ready", what="b ready")
+        for _ in range(6):  # a new connection each: both fronts
+            with httpx.Client(base_url=server.url, timeout=20) as client:
+                assert client.post("/models/b/predict", json={"id": "x"}).status_code == 200
+
+
+def test_an_engine_that_keeps_dying_stops_the_server_with_status_1(tmp_path: Path) -> None:
+    with serve(tmp_path, fleet(), env=SPLIT) as server:
+        (tmp_path / "fleet.yaml").write_text("models: {}\n", encoding="utf-8")  # the next engine cannot start
+        os.kill(roles(server)["engine"], signal.SIGKILL)
+        assert server.process.wait(60) == 1
+    assert "the engine died 5 times" in server.log()
