@@ -323,6 +323,8 @@ class EngineServer:
         """`Models` when the fleet changes, `Snapshot` after any change or every half second."""
         while True:
             models, snapshot = self.news.due()
+            if models or snapshot:
+                self.news.publish_board(self.epoch)  # first: a front that reads the change finds the board agreeing
             for link in list(self.links.values()):
                 items = ([Outgoing(message=models)] if models else []) + ([Outgoing(message=snapshot)] if snapshot else [])
                 if items:

@@ -91,7 +91,7 @@ class FleetNews:
 
     def due(self) -> tuple[Models | None, Snapshot | None]:
         """What to send now: `Models` if the fleet or a front state changed, a `Snapshot` if a
-        model's state changed or half a second passed."""
+        model's state, queue depth or running batches changed or half a second passed."""
         deployments = list(self.runtime.deployments.values())
         models_key = tuple((d.name, d.generation, self._front_state(d) is not None) for d in deployments)
         models = None
@@ -101,7 +101,8 @@ class FleetNews:
             for name in set(self._slots) - {d.name for d in deployments}:
                 self.board.clear(self._slots.pop(name))
         state_key = (self.runtime.ready, self.runtime.draining,
-                     tuple((d.name, d.state, d.residency.held, d.residency.held_down) for d in deployments))
+                     tuple((d.name, d.state, d.residency.held, d.residency.held_down, d.queue.depth,
+                            tuple((i.busy, i.batches) for i in d.instances)) for d in deployments))
         snapshot = None
         if self._force or state_key != self._sent_state or time.monotonic() - self._snapshot_at >= SNAPSHOT_EVERY_S:
             self._force = False
