@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 from litestar import Request, Response, delete, post, put
+from litestar.params import FromPath
 
 from router.errors import ConfigError, InputError
 from router.http.auth import Access
@@ -27,18 +28,18 @@ MAX_SECTION_BYTES = 1 << 20
 
 
 @post("/models/{name:str}/load", status_code=200, summary="Load a model now and keep it resident", opt=ADMIN)
-async def load_model(name: str, request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def load_model(name: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, Any]:
     return (await runtime_of(request).load_model(name)).as_dict()
 
 
 @post("/models/{name:str}/unload", status_code=200, summary="Unload a model now and keep it out", opt=ADMIN)
-async def unload_model(name: str, request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def unload_model(name: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, Any]:
     info, reports = await runtime_of(request).unload_model(name)
     return {"model": info.as_dict(), "unloaded": [asdict(report) for report in reports]}
 
 
 @put("/models/{name:str}", summary="Add or change a model from its fleet-file section (JSON or YAML)", opt=ADMIN)
-async def put_model(name: str, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+async def put_model(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     section = _section(await request.body(), request.headers.get("content-type", ""))
     try:
         outcome, info = await runtime_of(request).put_model(name, section)
@@ -48,7 +49,7 @@ async def put_model(name: str, request: Request[Any, Any, Any]) -> Response[dict
 
 
 @delete("/models/{name:str}", status_code=200, summary="Remove a model: answer what it accepted, unload it", opt=ADMIN)
-async def delete_model(name: str, request: Request[Any, Any, Any]) -> dict[str, str]:
+async def delete_model(name: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, str]:
     await runtime_of(request).delete_model(name)
     return {"deleted": name}
 

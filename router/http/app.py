@@ -15,6 +15,7 @@ from litestar.datastructures import UploadFile
 from litestar.enums import ScopeType
 from litestar.exceptions import ClientException, HTTPException, NotFoundException
 from litestar.openapi import OpenAPIConfig
+from litestar.params import FromPath
 from litestar.types import ASGIApp, Message, Receive, ReceiveMessage, Scope, Send
 
 from router import __version__
@@ -81,7 +82,7 @@ async def _payload(request: Request[Any, Any, Any]) -> Payload:
 
 
 @post("/models/{name:str}/predict", status_code=200, summary="Run one input through a model")
-async def predict(name: str, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+async def predict(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Accepts a multipart field `file` or a raw `image/*` body. Headers: X-Timeout-Ms, X-Priority."""
     runtime = runtime_of(request)
     priority = priority_header(request.headers.get("x-priority"))
@@ -123,7 +124,7 @@ async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 
 @get("/models/{name:str}", summary="One model's state, queue, batching, memory and counters")
-async def show_model(name: str, request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def show_model(name: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, Any]:
     return runtime_of(request).model(name).as_dict()
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from litestar import MediaType, Request, Response, Router, get, post
+from litestar.params import FromPath
 
 from router import __version__
 from router.errors import InputError, ModelNotFound, PayloadTooLarge, RouterError, UnsupportedMediaType, brief
@@ -55,8 +56,10 @@ _TRITON_STATES: Final = {
 }
 
 
-def _model(request: Request[Any, Any, Any], name: str, version: str | None) -> ModelInfo:
+def _model(request: Request[Any, Any, Any], name: str) -> ModelInfo:
+    """The model, 404 for an unknown name or a version (the path's `/versions/{version}`) it does not have."""
     model = runtime_of(request).model(name)
+    version = request.path_params.get("version")
     if version is not None and version != MODEL_VERSION:
         raise ModelNotFound(f"model {name!r} has no version {brief(version, 40)}; versions: {MODEL_VERSION}")
     return model
@@ -87,8 +90,8 @@ async def server_ready(request: Request[Any, Any, Any]) -> Response[bytes]:
 
 
 @get(["/models/{name:str}", "/models/{name:str}/versions/{version:str}"], summary="V2 model metadata")
-async def model_metadata(name: str, request: Request[Any, Any, Any], version: str | None = None) -> dict[str, Any]:
-    model = _model(request, name, version)
+async def model_metadata(name: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, Any]:
+    model = _model(request, name)
     return {
         "name": name,
         "versions": [MODEL_VERSION],
@@ -98,8 +101,8 @@ async def model_metadata(name: str, request: Request[Any, Any, Any], version: st
 
 
 @get(["/models/{name:str}/ready", "/models/{name:str}/versions/{version:str}/ready"], summary="V2 model readiness")
-async def model_ready(name: str, request: Request[Any, Any, Any], version: str | None = None) -> Response[bytes]:
-    return _status(_model(request, name, version).serving)
+async def model_ready(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[bytes]:
+    return _status(_model(request, name).serving)
 
 
 # -- inference ------------------------------------------------------------------------------------
@@ -107,11 +110,11 @@ async def model_ready(name: str, request: Request[Any, Any, Any], version: str |
 
 @post(["/models/{name:str}/infer", "/models/{name:str}/versions/{version:str}/infer"], status_code=200,
       summary="V2 inference: each item of the batch goes through the model's queue and batcher")
-async def infer(name: str, request: Request[Any, Any, Any], version: str | None = None) -> Response[bytes]:
+async def infer(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[bytes]:
     """JSON tensors or Triton's binary tensor data extension. Parameters: `timeout` (us), `priority` (1 highest).
     A request is admitted or refused as a whole: its item count against the model's queue before any item is queued."""
     runtime = runtime_of(request)
-    model = _model(request, name, version)  # 404 before reading the body
+    model = _model(request, name)  # 404 before reading the body
     runtime.precheck(name, received_at=received_at(request))  # draining, not serving, full: before the body
     body = _decompress(await request.body(), request.headers.get("content-encoding"), _body_limit(request))
     work = _decode_and_run(request, runtime, model, body)  # a client gone mid-decode stops it before submitting
@@ -227,14 +230,14 @@ def _ready_flag(body: bytes) -> bool:
 
 @post("/repository/models/{name:str}/load", status_code=200, summary="V2 model load: load now, keep resident",
       opt={"access": Access.ADMIN})
-async def repository_load(name: str, request: Request[Any, Any, Any]) -> Response[bytes]:
+async def repository_load(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[bytes]:
     await runtime_of(request).load_model(name)
     return Response(b"", status_code=200, media_type=MediaType.TEXT)
 
 
 @post("/repository/models/{name:str}/unload", status_code=200, summary="V2 model unload: unload now, keep out",
       opt={"access": Access.ADMIN})
-async def repository_unload(name: str, request: Request[Any, Any, Any]) -> Response[bytes]:
+async def repository_unload(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[bytes]:
     await runtime_of(request).unload_model(name)
     return Response(b"", status_code=200, media_type=MediaType.TEXT)
 
