@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,6 +25,7 @@ from router.sdk.plugin import MemoryEstimate, ModelPlugin, Payload
 from router.serving.registry import PluginRegistry
 from router.serving.runtime import Answer, Runtime
 from tests.conftest import read_records
+from tests.virtual_clock import VirtualClockLoop, run_virtual
 
 
 def ask(ident: str) -> Payload:
@@ -148,18 +148,25 @@ async def test_a_device_whose_probe_fails_at_start_fails_its_models_only(tmp_pat
     await runtime.stop()
 
 
-async def test_drain_answers_everything_even_past_its_timeout(tmp_path: Path) -> None:
+def test_drain_answers_everything_even_past_its_timeout(tmp_path: Path) -> None:
+    """On a virtual clock: batches of 0.3 s, a drain of 0.4 s: the running batch is answered, the
+    one after it is cut off, and the rest get 503."""
     fleet = one_at_a_time(300, tmp_path / 'batches.jsonl')
-    runtime = make_runtime(tmp_path, fleet)
-    await runtime.start()
-    await runtime.wait_loaded()
-    tasks = [asyncio.create_task(runtime.submit("m", ask(f"r{i}"))) for i in range(4)]
-    await until(lambda: busy(runtime))
-    await runtime.drain(0.4)  # time for about one batch; the rest is answered 503
-    results = await asyncio.gather(*tasks, return_exceptions=True)
-    with pytest.raises(ShuttingDown):
-        await runtime.submit("m", ask("late"))
-    await runtime.stop()
+
+    async def main(loop: VirtualClockLoop) -> list[object]:
+        runtime = make_runtime(tmp_path, fleet, clock=loop.time)
+        await runtime.start()
+        await runtime.wait_loaded()
+        tasks = [asyncio.create_task(runtime.submit("m", ask(f"r{i}"))) for i in range(4)]
+        await until(lambda: busy(runtime))
+        await runtime.drain(0.4)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        with pytest.raises(ShuttingDown):
+            await runtime.submit("m", ask("late"))
+        await runtime.stop()
+        return results
+
+    results = run_virtual(main)
     assert isinstance(results[0], Answer)
     assert all(isinstance(r, (Answer, ShuttingDown)) for r in results)
     assert any(isinstance(r, ShuttingDown) for r in results)
@@ -215,7 +222,8 @@ async def test_models_sharing_a_device_get_time_in_proportion_to_their_weight(tm
     assert all(a["end"] <= b["start"] for a, b in zip(rows, rows[1:])), "batches over budget overlapped"
 
 
-async def test_requests_queued_behind_a_hung_batch_get_504_at_their_deadline(tmp_path: Path) -> None:
+def test_requests_queued_behind_a_hung_batch_get_504_at_their_deadline(tmp_path: Path) -> None:
+    """On a virtual clock: the 504 comes at the deadline exactly, not after the hung batch."""
     fleet = """
 models:
   m:
@@ -224,18 +232,23 @@ models:
     batch: {max_size: 1}
     execution: {timeout_ms: 100}
 """ % (tmp_path / "batches.jsonl")
-    async with running(make_runtime(tmp_path, fleet)) as runtime:
-        hung = asyncio.create_task(runtime.submit("m", ask("hang")))
-        await until(lambda: busy(runtime))
-        started = time.monotonic()
-        with pytest.raises(DeadlineExceeded):
-            await runtime.submit("m", ask("behind"), timeout_ms=300)
-        waited = time.monotonic() - started
-        with pytest.raises(ExecutionTimeout):
-            await hung
-        assert 0.25 < waited < 0.6
-        assert runtime.model("m").state == "degraded"  # fenced, visible in /models
-        assert "behind" not in [i for b in executed(tmp_path / "batches.jsonl") for i in b]
+
+    async def main(loop: VirtualClockLoop) -> tuple[float, str]:
+        async with running(make_runtime(tmp_path, fleet, clock=loop.time)) as runtime:
+            hung = asyncio.create_task(runtime.submit("m", ask("hang")))
+            await until(lambda: busy(runtime))
+            started = loop.time()
+            with pytest.raises(DeadlineExceeded):
+                await runtime.submit("m", ask("behind"), timeout_ms=300)
+            waited = loop.time() - started
+            with pytest.raises(ExecutionTimeout):
+                await hung
+            return waited, runtime.model("m").state
+
+    waited, state = run_virtual(main)
+    assert waited == pytest.approx(0.3)
+    assert state == "degraded"  # fenced, visible in /models
+    assert "behind" not in [i for b in executed(tmp_path / "batches.jsonl") for i in b]
 
 
 async def test_readiness_follows_the_required_flag(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from router.errors import (
@@ -116,7 +116,12 @@ class ModelInstance:
         self._clock = clock
         self._on_batch = on_batch
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.key}")
-        self._inflight: Future[Any] | None = None
+        self._inflight: asyncio.Future[Any] | None = None
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The runtime's clock: it times this instance's loads and batches (warm-up ones included)."""
+        return self._clock
 
     # -- lifecycle: the only writers of the state ---------------------------------------------
 
@@ -220,7 +225,7 @@ class ModelInstance:
     async def wait_idle(self) -> None:
         """Return once the thread has really finished its last batch (a stalled one included)."""
         if self._inflight is not None and not self._inflight.done():
-            await asyncio.wrap_future(self._inflight)
+            await asyncio.shield(self._inflight)
 
     def shutdown(self) -> None:
         """Stop the thread (at process exit; an unloaded instance may load again until then)."""
@@ -266,27 +271,33 @@ class ModelInstance:
     async def _predict(self, items: list[Any]) -> tuple[Sequence[Any], float]:
         if self._inflight is not None and not self._inflight.done():
             raise ExecutionTimeout(f"model {self.model!r} instance {self.index} is stalled by an earlier batch")
-        loop = asyncio.get_running_loop()
-        started = time.perf_counter()
-        inflight = self._executor.submit(self.plugin.predict_batch, items)
+        started = self._clock()
+        # On the loop's executor path like every other call to this thread, so the clock that
+        # times the batch (an injected one in tests) also sees it run.
+        inflight = asyncio.get_running_loop().run_in_executor(self._executor, self.plugin.predict_batch, items)
         self._inflight = inflight
         try:
-            outputs = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(inflight)), self.execution_timeout_s)
+            outputs = await asyncio.wait_for(asyncio.shield(inflight), self.execution_timeout_s)
         except TimeoutError:
             log.error("model %s instance %d: batch exceeded %.3fs; instance fenced until it returns",
                       self.model, self.index, self.execution_timeout_s)
             if self._state is InstanceState.READY:
                 self.fence(f"a batch exceeded {self.execution_timeout_s:.3f}s")
-            inflight.add_done_callback(lambda _: _call_soon(loop, self._recover))
+            inflight.add_done_callback(self._stalled_batch_returned)
             raise ExecutionTimeout(
                 f"model {self.model!r} execution exceeded its timeout of {self.execution_timeout_s:.3f}s"
             ) from None
-        elapsed = time.perf_counter() - started
+        elapsed = self._clock() - started
         self.batches += 1
         self.times.observe(len(items), elapsed, self._clock())
         if self._on_batch is not None:
             self._on_batch(self.model, len(items), elapsed)
         return outputs, elapsed
+
+    def _stalled_batch_returned(self, batch: asyncio.Future[Any]) -> None:
+        if not batch.cancelled():
+            batch.exception()  # its requests were answered at the timeout; nobody else reads it
+        self._recover()
 
     def _recover(self) -> None:
         if self._state is InstanceState.FENCED:
@@ -297,12 +308,4 @@ class ModelInstance:
         if self.device.startswith("cuda") and "torch" in sys.modules:
             torch = sys.modules["torch"]
             await self.call(torch.cuda.empty_cache)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
-    """Schedule from another thread; a loop already closed (the service stopped) is ignored."""
-    try:
-        loop.call_soon_threadsafe(callback)
-    except RuntimeError:
-        pass
 
