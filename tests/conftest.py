@@ -11,15 +11,19 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+#: The only wall-clock bound a test may assert: long enough that a machine with a core kept busy
+#: never reaches it, short enough to tell a hang from a slow answer. Speed is `make bench`'s to measure.
+HANG_S = 10.0
 
 
 def free_port() -> int:
@@ -55,6 +59,16 @@ class RouterProcess:
                 return lines
             time.sleep(0.05)
         return []
+
+    def until_model(self, name: str, condition: Callable[[dict[str, Any]], bool], timeout: float = 30.0) -> dict[str, Any]:
+        """Poll `GET /models/{name}` until `condition` holds of it: ordering by state, not by sleeping."""
+        deadline = time.monotonic() + timeout
+        while True:
+            model: dict[str, Any] = httpx.get(f"{self.url}/models/{name}", timeout=10).json()
+            if condition(model):
+                return model
+            assert time.monotonic() < deadline, f"model {name} never reached the expected state: {model}"
+            time.sleep(0.01)
 
     def connect(self, timeout: float = 10.0) -> socket.socket:
         """A raw TCP connection to the server, for requests no HTTP client would send."""
