@@ -357,9 +357,10 @@ async def test_the_device_decides_how_many_batches_run_at_once(tmp_path: Path, s
     assert len(rows) == 12 and overlapped is overlap
 
 
-async def test_a_request_behind_another_models_batch_on_a_one_batch_device_is_predicted_from_it(
+def test_a_request_behind_another_models_batch_on_a_one_batch_device_is_predicted_from_it(
     tmp_path: Path,
 ) -> None:
+    """On a virtual clock, so the 0.6 s batch is still 0.6 s away when the hurried request comes."""
     fleet = """
 devices:
   cpu: {max_concurrent_batches: 1}
@@ -367,12 +368,17 @@ models:
   long: {plugin: scripted, options: {fixed_ms: 600}, batch: {max_size: 1}}
   short: {plugin: scripted, options: {fixed_ms: 20}, batch: {max_size: 1}}
 """
-    async with running(make_runtime(tmp_path, fleet)) as runtime:
-        await runtime.submit("short", ask("timed"))  # a real batch: no probe is let through on the way
-        running_long = asyncio.create_task(runtime.submit("long", ask("busy")))
-        await until(lambda: busy(runtime, "long"))
-        with pytest.raises(QueueFull, match="predicted") as refused:
-            await runtime.submit("short", ask("hurried"), timeout_ms=300)  # the device is busy for ~600 ms
-        answer = await runtime.submit("short", ask("patient"), timeout_ms=5000)
-        await running_long
-    assert refused.value.status_code == 503 and answer.output["id"] == "patient"
+
+    async def main(loop: VirtualClockLoop) -> tuple[QueueFull, Answer]:
+        async with running(make_runtime(tmp_path, fleet, clock=loop.time)) as runtime:
+            await runtime.submit("short", ask("timed"))  # a real batch: no probe is let through on the way
+            running_long = asyncio.create_task(runtime.submit("long", ask("busy")))
+            await until(lambda: busy(runtime, "long"))
+            with pytest.raises(QueueFull, match="predicted") as refused:
+                await runtime.submit("short", ask("hurried"), timeout_ms=300)  # the device is busy for 600 ms
+            answer = await runtime.submit("short", ask("patient"), timeout_ms=5000)
+            await running_long
+        return refused.value, answer
+
+    refused, answer = run_virtual(main)
+    assert refused.status_code == 503 and answer.output["id"] == "patient"
