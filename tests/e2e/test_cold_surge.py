@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import REPO, serve
+from tests.conftest import HANG_S, REPO, serve
 
 pytestmark = [pytest.mark.load, pytest.mark.e2e]
 
@@ -94,14 +94,14 @@ def test_cold_surge_then_low_rate_is_served(tmp_path: Path, name: str) -> None:
         surge = subprocess.run(
             [sys.executable, "-m", "benchmarks.loadgen", "--url", server.url,
              "--target", f"/models/{case.model}/predict={case.content_type}:{case.body}",
-             "--rate", f"{case.surge_rps:.1f}", "--duration", str(case.surge_s), "--timeout", "3",
+             "--rate", f"{case.surge_rps:.1f}", "--duration", str(case.surge_s), "--timeout", str(HANG_S),
              "--deadline", str(DEADLINE_MS / 1000)],
             cwd=REPO, capture_output=True, text=True, timeout=120, check=True,
         )
         report = json.loads(surge.stdout)
         time.sleep(RECOVERED_WITHIN_S)
         after: list[tuple[int, str]] = []
-        with httpx.Client(base_url=server.url, timeout=5.0) as client:
+        with httpx.Client(base_url=server.url, timeout=HANG_S) as client:
             for index in range(12):
                 reply = _send(client, case, index)
                 after.append((reply.status_code, reply.text[:300]))
