@@ -6,7 +6,7 @@ driven by `benchmarks.loadgen` in another: closed loop at saturation, and for Re
 open-loop sweep of 0.5x to 5x the router's measured capacity, each overload point on a fresh
 server so one point's backlog cannot spill into the next. Peak RSS is sampled from the harness
 over the server's whole process tree. Results: benchmarks/results/latest.json, a printed
-table, and benchmarks/results/latest.png.
+table, benchmarks/results/latest.png and, from the same results, docs/performance.md.
 
     python -m benchmarks.run [--quick] [--out benchmarks/results]
 """
@@ -31,6 +31,7 @@ from typing import Any
 import psutil
 
 from benchmarks.browser import Browser, chromium_binary
+from benchmarks.performance_doc import write as write_performance_doc
 from benchmarks.report import evaluate, plot, render
 from benchmarks.residency import run_residency
 from benchmarks.systems import SYSTEMS, RssSampler, Server, request_target, serve
@@ -341,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     if "resnet18" in results["workloads"]:
         plot(results, args.out / f"{stem}.png")
     print(f"results: {args.out / (stem + '.json')} ({results['wall_s']} s)")
+    if not args.quick and args.out.resolve() == (REPO / "benchmarks" / "results").resolve():
+        print(f"page: {write_performance_doc(results)}")  # docs/performance.md follows latest.json
     return 0
 
 

@@ -16,14 +16,9 @@ from router.http.auth import AccessPolicy, policy_from_settings
 from router.serving.plan import FleetPlan, load_plan
 from router.serving.registry import PluginRegistry
 
-__all__ = ["build_plan", "main"]
+__all__ = ["main"]
 
 log = logging.getLogger("router.cli")
-
-
-def build_plan(config_path: Path, registry: PluginRegistry | None = None) -> FleetPlan:
-    """Parse and resolve a fleet file; raises ConfigError naming file, key, value and what is accepted."""
-    return load_plan(config_path, registry)
 
 
 def prepare(args: argparse.Namespace) -> tuple[ServerSettings, FleetPlan, AccessPolicy]:
@@ -31,7 +26,7 @@ def prepare(args: argparse.Namespace) -> tuple[ServerSettings, FleetPlan, Access
     settings, the fleet and its plugins' options and paths, the keys. Raises ConfigError."""
     overrides = {k: v for k in ("config", "host", "port") if (v := getattr(args, k, None)) is not None}
     settings = load_settings(**overrides)
-    plan = build_plan(settings.config)
+    plan = load_plan(settings.config)
     return settings, plan, access_policy(settings)
 
 
@@ -45,14 +40,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from router.http.server import run_server
     from router.logs import configure_logging
     from router.serving.runtime import Runtime
-    from router.serving.threads import apply_threads, available_cores, plan_threads
+    from router.serving.threads import apply_threads, available_cores, count_threads
 
     try:
         settings, plan, policy = prepare(args)
     except ConfigError as exc:
         return _refuse(exc)
     configure_logging(settings.log_level, settings.log_format)
-    threads = plan_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
+    threads = count_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
     apply_threads(threads)
     runtime = Runtime(plan, cpu_workers=threads.cpu_workers)
     app = create_app(runtime, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
@@ -119,19 +114,19 @@ def cmd_store_init_demo(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Export a fleet model (or convert an exported file) with the exporters the plugins declare."""
-    from router.exporting import installed_exporters, plan_export, run_export, source_model
+    from router.exporting import export_steps, installed_exporters, run_export, source_model
     from router.sdk.exporter import ExportError
 
     if args.model is None and args.from_file is None:
         print("model-router: export needs --model (a model of the fleet) or --from (an exported file)", file=sys.stderr)
         return 2
     try:
-        steps = plan_export(installed_exporters(), args.format, from_file=args.from_file is not None)
+        steps = export_steps(installed_exporters(), args.format, from_file=args.from_file is not None)
     except ExportError as exc:
         print(f"model-router: {exc}", file=sys.stderr)
         return 1
     try:
-        source = None if args.from_file is not None else source_model(build_plan(args.config), args.model)
+        source = None if args.from_file is not None else source_model(load_plan(args.config), args.model)
     except ConfigError as exc:
         return _refuse(exc)
     except ExportError as exc:

@@ -120,8 +120,8 @@ class DeviceConfig(_Strict):
 
     memory_budget: ByteSize | None = Field(None, description="absolute budget; overrides memory_fraction")
     memory_fraction: float = Field(0.9, gt=0, le=1, description="budget as a fraction of total memory")
-    high_watermark: float = Field(0.9, gt=0, le=1, description="pause admission above this share of budget")
-    low_watermark: float = Field(0.8, gt=0, le=1, description="resume admission below this share")
+    high_watermark: float = Field(0.9, gt=0, le=1, description="pause batch admission above this share of budget")
+    low_watermark: float = Field(0.8, gt=0, le=1, description="resume batch admission below this share")
     probe: Literal["auto", "nvml", "host", "process", "none"] = "auto"
     poll_interval_ms: float = Field(20.0, gt=0, description="probe re-read interval while work waits")
     max_concurrent_loads: int = Field(1, ge=1, le=64, description="model loads running at once on the device")

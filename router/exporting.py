@@ -20,7 +20,7 @@ from router.sdk.plugin import PluginContext
 from router.serving.plan import FleetPlan
 from router.serving.registry import Discovered, discover
 
-__all__ = ["ExportStep", "check_exporter", "installed_exporters", "plan_export", "run_export", "source_model"]
+__all__ = ["ExportStep", "check_exporter", "export_steps", "installed_exporters", "run_export", "source_model"]
 
 AUTO = "auto"
 _INSTALL_HINT = "the bundled exporters come with the onnx and tensorrt plugins: pip install -e plugins/onnx"
@@ -37,7 +37,7 @@ def installed_exporters() -> Discovered[Exporter]:
     return discover(EXPORTERS_GROUP, check_exporter)
 
 
-def plan_export(found: Discovered[Exporter], fmt: str, *, from_file: bool = False) -> list[ExportStep]:
+def export_steps(found: Discovered[Exporter], fmt: str, *, from_file: bool = False) -> list[ExportStep]:
     """The exporters that make `fmt`, in the order they run. Raises ExportError naming what is missing."""
     exporters = {entry.target.format: entry.target for entry in found.entries.values()}
     if fmt == AUTO:

@@ -10,7 +10,7 @@ from typing import ClassVar
 import pytest
 
 from router.errors import PluginValidationError
-from router.exporting import check_exporter, plan_export, run_export, source_model
+from router.exporting import check_exporter, export_steps, run_export, source_model
 from router.sdk import Exporter, ExportError, ExportJob, PluginContext, SourceModel
 from router.serving.registry import Discovered, Entry
 from tests.test_registry import EchoPlugin
@@ -56,13 +56,13 @@ def source(tmp_path: Path) -> SourceModel:
 
 def test_a_format_runs_after_the_format_it_needs() -> None:
     onnx, engine = Onnx(), Engine()
-    assert [step.exporter for step in plan_export(found(onnx, engine), "engine")] == [onnx, engine]
-    assert [step.exporter for step in plan_export(found(onnx, engine), "onnx")] == [onnx]
-    assert [step.exporter for step in plan_export(found(onnx, engine), "engine", from_file=True)] == [engine]
+    assert [step.exporter for step in export_steps(found(onnx, engine), "engine")] == [onnx, engine]
+    assert [step.exporter for step in export_steps(found(onnx, engine), "onnx")] == [onnx]
+    assert [step.exporter for step in export_steps(found(onnx, engine), "engine", from_file=True)] == [engine]
 
 
 def test_auto_runs_the_fleet_exporters_then_the_converters_where_they_can_run() -> None:
-    steps = plan_export(found(Onnx(), Engine()), "auto")
+    steps = export_steps(found(Onnx(), Engine()), "auto")
     assert [(s.exporter.format, s.optional) for s in steps] == [("onnx", False), ("engine", True)]
 
 
@@ -74,19 +74,19 @@ def test_auto_runs_the_fleet_exporters_then_the_converters_where_they_can_run() 
 ])
 def test_what_cannot_be_planned_is_named(fmt: str, from_file: bool, message: str) -> None:
     with pytest.raises(ExportError, match=message):
-        plan_export(found(Onnx(), Engine(), broken={"bad": "ImportError: x"}), fmt, from_file=from_file)
+        export_steps(found(Onnx(), Engine(), broken={"bad": "ImportError: x"}), fmt, from_file=from_file)
 
 
 def test_a_converter_whose_source_format_is_missing_says_so() -> None:
     with pytest.raises(ExportError, match="format 'engine' is built from 'onnx', and no exporter for format 'onnx'"):
-        plan_export(found(Engine()), "engine")
+        export_steps(found(Engine()), "engine")
 
 
 def test_each_exporter_gets_plain_values_and_the_file_before_it(tmp_path: Path) -> None:
     onnx, engine = Onnx(), Engine()
     lines: list[str] = []
     model = source(tmp_path)
-    paths = run_export(plan_export(found(onnx, engine), "engine"), model="m", source=model, fp16=True, device="cuda:1",
+    paths = run_export(export_steps(found(onnx, engine), "engine"), model="m", source=model, fp16=True, device="cuda:1",
                        progress=lines.append)
     assert paths == [tmp_path / "m.onnx", tmp_path / "m.engine"]
     (first,), (second,) = onnx.jobs, engine.jobs
@@ -97,7 +97,7 @@ def test_each_exporter_gets_plain_values_and_the_file_before_it(tmp_path: Path) 
 
 
 def test_out_names_the_first_file_and_a_converter_writes_beside_its_input(tmp_path: Path) -> None:
-    steps = plan_export(found(Onnx(), Engine()), "engine")
+    steps = export_steps(found(Onnx(), Engine()), "engine")
     paths = run_export(steps, model="m", source=source(tmp_path), out=tmp_path / "y.onnx", progress=print)
     assert paths == [tmp_path / "y.onnx", tmp_path / "y.engine"]
 
@@ -105,20 +105,20 @@ def test_out_names_the_first_file_and_a_converter_writes_beside_its_input(tmp_pa
 def test_a_file_from_elsewhere_is_converted_without_a_fleet(tmp_path: Path) -> None:
     engine = Engine()
     given = tmp_path / "exported.onnx"
-    paths = run_export(plan_export(found(Onnx(), engine), "engine", from_file=True), model="exported", input_file=given)
+    paths = run_export(export_steps(found(Onnx(), engine), "engine", from_file=True), model="exported", input_file=given)
     assert paths == [tmp_path / "exported.engine"] and engine.jobs[0].input == given
 
 
 def test_a_required_step_that_cannot_run_fails_before_anything_is_written(tmp_path: Path) -> None:
     onnx = Onnx()
     with pytest.raises(ExportError, match="cannot build the engine for 'm': no GPU here"):
-        run_export(plan_export(found(onnx, BlockedEngine()), "engine"), model="m", source=source(tmp_path))
+        run_export(export_steps(found(onnx, BlockedEngine()), "engine"), model="m", source=source(tmp_path))
     assert onnx.jobs == [] and list(tmp_path.iterdir()) == []
 
 
 def test_auto_skips_a_converter_that_cannot_run_and_says_why(tmp_path: Path) -> None:
     lines: list[str] = []
-    steps = plan_export(found(Onnx(), BlockedEngine()), "auto")
+    steps = export_steps(found(Onnx(), BlockedEngine()), "auto")
     paths = run_export(steps, model="m", source=source(tmp_path), progress=lines.append)
     assert paths == [tmp_path / "m.onnx"]
     assert lines == ["wrote m.onnx", "skipped the engine: no GPU here"]

@@ -12,9 +12,9 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from router.cli import build_plan
 from router.scheduling.probes import NvmlProbe
 from router.sdk.plugin import MemoryEstimate, ModelPlugin, Payload
+from router.serving.plan import load_plan
 from router.serving.profiling import profile_cuda, profile_sizes
 from router.serving.registry import PluginRegistry
 from router.serving.runtime import Runtime
@@ -91,7 +91,7 @@ def test_real_cuda_out_of_memory_is_split_and_retried(tmp_path: Path) -> None:
     )
 
     async def run() -> list[Any]:
-        runtime = Runtime(build_plan(config, registry))
+        runtime = Runtime(load_plan(config, registry))
         await runtime.start()
         await runtime.wait_loaded()
         try:
@@ -130,7 +130,7 @@ def test_residency_on_a_gpu_evicts_by_nvml_and_memory_comes_back(tmp_path: Path)
     body = (Path(__file__).resolve().parents[1] / "examples" / "street.jpg").read_bytes()
 
     async def run() -> tuple[list[Any], list[Any]]:
-        runtime = Runtime(build_plan(config))
+        runtime = Runtime(load_plan(config))
         await runtime.start()
         await runtime.wait_loaded()
         try:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from router.cli import build_plan
 from router.serving.loading import warmup_sizes
+from router.serving.plan import load_plan
 from router.serving.runtime import Runtime
 
 # weights 1000 B, 100 B per input: a 1500 B budget leaves 500 B, and with the 20% margin
@@ -38,7 +38,7 @@ async def load(tmp_path: Path, budget: int, warmup: str = "{enabled: true}") -> 
     record = tmp_path / "batches.jsonl"
     path = tmp_path / "fleet.yaml"
     path.write_text(FLEET.format(record=record, budget=budget, warmup=warmup), encoding="utf-8")
-    runtime = Runtime(build_plan(path))
+    runtime = Runtime(load_plan(path))
     await runtime.start()
     try:
         await runtime.wait_loaded()

@@ -20,9 +20,9 @@ from router.scheduling.probes import (
     NvmlProbe,
     ProbeError,
     ProcessMemoryProbe,
-    ScriptedProbe,
     make_probe,
 )
+from tests.probes import ScriptedProbe
 
 MiB = 1024**2
 

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 
-from router.cli import build_plan
 from router.errors import (
     DeadlineExceeded,
     DeviceOutOfMemory,
@@ -20,11 +19,13 @@ from router.errors import (
     QueueFull,
     ShuttingDown,
 )
-from router.scheduling.probes import ProbeError, ScriptedProbe, make_probe
+from router.scheduling.probes import ProbeError, make_probe
 from router.sdk.plugin import MemoryEstimate, ModelPlugin, Payload
+from router.serving.plan import load_plan
 from router.serving.registry import PluginRegistry
 from router.serving.runtime import Answer, Runtime
 from tests.conftest import read_records
+from tests.probes import ScriptedProbe
 from tests.virtual_clock import VirtualClockLoop, run_virtual
 
 
@@ -35,7 +36,7 @@ def ask(ident: str) -> Payload:
 def make_runtime(tmp_path: Path, fleet: str, registry: PluginRegistry | None = None, **kwargs: Any) -> Runtime:
     path = tmp_path / "fleet.yaml"
     path.write_text(fleet, encoding="utf-8")
-    return Runtime(build_plan(path, registry), **kwargs)
+    return Runtime(load_plan(path, registry), **kwargs)
 
 
 @asynccontextmanager

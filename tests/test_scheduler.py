@@ -13,11 +13,12 @@ import pytest
 
 from router.config import BatchPolicy, DeviceConfig
 from router.errors import DeadlineExceeded
-from router.scheduling.probes import MemoryReading, ProbeError, ScriptedProbe
+from router.scheduling.probes import MemoryReading, ProbeError
 from router.scheduling.queue import ModelQueue, Ticket, resolve
 from router.scheduling.scheduler import DeviceScheduler
 from router.scheduling.service_time import BatchTime
 from router.sdk.plugin import MemoryEstimate
+from tests.probes import ScriptedProbe
 
 
 class Clock:
@@ -144,7 +145,7 @@ async def test_a_head_that_cannot_fit_waits_and_nobody_behind_it_goes_first() ->
     enqueue(other, clock, 1, prefix="o")
     clock.now += 0.001
     wake = sched.step()
-    assert sched.last_plan.blocked == "big"  # 600 does not fit beside 500: big waits at the head...
+    assert sched.last_admission.blocked == "big"  # 600 does not fit beside 500: big waits at the head...
     assert r_big.batches == [] and r_other.batches == []  # ...and other, behind it in fair order, waits too
     assert wake is not None  # polls the memory again
     hold.set()
@@ -230,7 +231,7 @@ async def test_a_failing_or_lying_probe_pauses_admission_logged_once_until_it_re
         sched.step()
         assert r.batches == [] and sched.paused
     assert sched.probe_errors == 3
-    assert sum("failed, admission paused" in rec.message for rec in caplog.records) == 1
+    assert sum("failed, batch admission paused" in rec.message for rec in caplog.records) == 1
     clock.now += 0.1
     sched.step()
     await settle(sched)

@@ -22,10 +22,10 @@ from router.scheduling.service_time import (
     HALF_LIFE_S,
     BatchTime,
     DecayingTotal,
+    HalfOpenGate,
     InstanceLoad,
     Lag,
-    ProbeGate,
-    decide_admission,
+    deadline_gate,
     predict_answer,
 )
 
@@ -159,33 +159,33 @@ def _slow_prediction(seconds: float) -> object:
 
 
 def test_an_idle_model_always_admits_whatever_the_estimate_says() -> None:
-    decision = decide_admission(_slow_prediction(5.0), 1.0, idle=True, gate=ProbeGate(), now=0.0)  # type: ignore[arg-type]
-    assert decision.admit and not decision.probe
+    decision = deadline_gate(_slow_prediction(5.0), 1.0, idle=True, gate=HalfOpenGate(), now=0.0)  # type: ignore[arg-type]
+    assert decision.admit and not decision.half_open
 
 
 def test_a_refusing_model_admits_one_probe_per_interval() -> None:
-    gate = ProbeGate(interval_s=0.5)
+    gate = HalfOpenGate(interval_s=0.5)
     prediction = _slow_prediction(5.0)
-    decisions = [decide_admission(prediction, 1.0, idle=False, gate=gate, now=t / 100)  # type: ignore[arg-type]
+    decisions = [deadline_gate(prediction, 1.0, idle=False, gate=gate, now=t / 100)  # type: ignore[arg-type]
                  for t in range(200)]  # two seconds, one request every 10 ms
     probes = [d for d in decisions if d.admit]
-    assert len(probes) == 4 and all(d.probe for d in probes)
+    assert len(probes) == 4 and all(d.half_open for d in probes)
     refused = next(d for d in decisions if not d.admit)
     assert "predicted in about" in refused.reason and "1000 ms deadline" in refused.reason
     assert refused.retry_after_s >= 1.0
 
 
 def test_no_probe_while_batches_keep_finishing() -> None:
-    gate = ProbeGate(interval_s=0.5)
+    gate = HalfOpenGate(interval_s=0.5)
     prediction = _slow_prediction(5.0)
-    decisions = [decide_admission(prediction, 1.0, idle=False, gate=gate, now=t / 100,  # type: ignore[arg-type]
+    decisions = [deadline_gate(prediction, 1.0, idle=False, gate=gate, now=t / 100,  # type: ignore[arg-type]
                                   last_sample_at=t / 100 - 0.1) for t in range(200)]
     assert not any(d.admit for d in decisions)
 
 
 def test_a_request_that_fits_its_deadline_is_admitted() -> None:
     prediction = _slow_prediction(0.2)
-    assert decide_admission(prediction, 1.0, idle=False, gate=ProbeGate(), now=0.0).admit  # type: ignore[arg-type]
+    assert deadline_gate(prediction, 1.0, idle=False, gate=HalfOpenGate(), now=0.0).admit  # type: ignore[arg-type]
 
 
 # -- the property: no lockout -------------------------------------------------------------------
@@ -205,7 +205,7 @@ class Model:
     queue: ModelQueue = field(init=False)
     times: list[BatchTime] = field(init=False)
     busy_until: list[float | None] = field(init=False)
-    gate: ProbeGate = field(default_factory=ProbeGate)
+    gate: HalfOpenGate = field(default_factory=HalfOpenGate)
     lag: Lag = field(default_factory=Lag)
 
     def __post_init__(self) -> None:
@@ -228,7 +228,7 @@ class Model:
                                     max_delay_s=0.005, lag_s=self.lag.at(now))
         idle = self.queue.occupancy == 0 and any(b is None for b in self.busy_until)
         last = max((t.last_sample_at for t in self.times if t.last_sample_at is not None), default=None)
-        decision = decide_admission(prediction, self.deadline_s, idle=idle, gate=self.gate, now=now,
+        decision = deadline_gate(prediction, self.deadline_s, idle=idle, gate=self.gate, now=now,
                                     last_sample_at=last)
         if decision.admit and self.queue.occupancy < self.queue.max_size:
             self.queue.put(Ticket("r", None, 1, now, now + self.deadline_s, measure=decision.measure))

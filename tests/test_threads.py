@@ -6,21 +6,21 @@ import cv2
 import pytest
 import torch
 
-from router.serving.threads import ThreadPlan, apply_threads, available_cores, plan_threads
+from router.serving.threads import ThreadCounts, apply_threads, available_cores, count_threads
 
 
 @pytest.mark.parametrize("cores, workers, torch_threads, expected", [
-    (2, 0, 0, ThreadPlan(2, 2, 2)), (16, 0, 0, ThreadPlan(16, 16, 16)), (2, 1, 0, ThreadPlan(2, 1, 2)),
-    (8, 3, 4, ThreadPlan(8, 3, 4)), (0, 0, 0, ThreadPlan(1, 1, 1)),
+    (2, 0, 0, ThreadCounts(2, 2, 2)), (16, 0, 0, ThreadCounts(16, 16, 16)), (2, 1, 0, ThreadCounts(2, 1, 2)),
+    (8, 3, 4, ThreadCounts(8, 3, 4)), (0, 0, 0, ThreadCounts(1, 1, 1)),
 ])
-def test_settings_win_and_zero_means_every_core(cores: int, workers: int, torch_threads: int, expected: ThreadPlan) -> None:
-    assert plan_threads(cores, workers, torch_threads) == expected
+def test_settings_win_and_zero_means_every_core(cores: int, workers: int, torch_threads: int, expected: ThreadCounts) -> None:
+    assert count_threads(cores, workers, torch_threads) == expected
 
 
 def test_apply_sets_torch_and_the_cores_are_this_process_s() -> None:
     before = torch.get_num_threads()
     try:
-        apply_threads(ThreadPlan(cores=2, cpu_workers=2, torch_threads=1))
+        apply_threads(ThreadCounts(cores=2, cpu_workers=2, torch_threads=1))
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

@@ -39,9 +39,9 @@ from router.errors import (
     outcome_of,
 )
 from router.sdk.plugin import Payload
-from router.serving.changes import ReloadReport
-from router.serving.fleet import UnloadReport
+from router.serving.editor import ReloadReport
 from router.serving.inflight import InFlight
+from router.serving.residency_executor import UnloadReport
 from router.serving.runtime import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
 from router.serving.telemetry import Telemetry, TelemetryFanout

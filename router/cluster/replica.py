@@ -2,7 +2,7 @@
 
 Ray reserves the device (`num_gpus`, or a CPU slice), starts the replica, restarts it when it
 dies and adds or removes replicas as load changes. Inside, everything is the single-process
-router's: per-model queues, batching, admission, memory ledger and residency. The replica
+router's: per-model queues, batching, batch admission, memory ledger and residency. The replica
 reports to the placement controller every `cluster.stats_period_s` and carries out the commands
 it gets back (hold a copy, release one); Ray's request routers see the same report, compacted,
 through `record_routing_stats`.

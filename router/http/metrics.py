@@ -142,14 +142,17 @@ def _device_families(runtime: ServingFacade) -> Iterable[Metric]:
     reserved = GaugeMetricFamily("model_router_ledger_reserved_bytes", "Bytes reserved by running batches.", labels=["device"])
     weights = GaugeMetricFamily("model_router_ledger_weights_bytes", "Bytes booked for loaded weights.", labels=["device"])
     peak = GaugeMetricFamily("model_router_ledger_peak_bytes", "Highest ledger total seen.", labels=["device"])
-    budget = GaugeMetricFamily("model_router_device_budget_bytes", "The device's admission budget.", labels=["device"])
+    budget = GaugeMetricFamily("model_router_device_budget_bytes", "The device's memory budget for batch admission.",
+                               labels=["device"])
     used = GaugeMetricFamily("model_router_device_memory_used_bytes", "Last probe reading: used.", labels=["device"])
     total = GaugeMetricFamily("model_router_device_memory_total_bytes", "Last probe reading: total.", labels=["device"])
-    paused = GaugeMetricFamily("model_router_admission_paused", "1 while admission is paused.", labels=["device"])
+    paused = GaugeMetricFamily("model_router_admission_paused",
+                               "1 while batch admission is paused (memory above the high watermark, or no probe reading).",
+                               labels=["device"])
     running = GaugeMetricFamily("model_router_running_batches", "Batches running on the device.", labels=["device"])
-    high = GaugeMetricFamily("model_router_device_high_watermark_ratio", "Admission pauses above this share of the budget.",
+    high = GaugeMetricFamily("model_router_device_high_watermark_ratio", "Batch admission pauses above this share of the budget.",
                              labels=["device"])
-    low = GaugeMetricFamily("model_router_device_low_watermark_ratio", "Admission resumes below this share of the budget.",
+    low = GaugeMetricFamily("model_router_device_low_watermark_ratio", "Batch admission resumes below this share of the budget.",
                             labels=["device"])
     probe_errors = CounterMetricFamily("model_router_probe_errors", "Failed or implausible memory probe readings.",
                                        labels=["device"])

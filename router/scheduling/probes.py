@@ -1,5 +1,5 @@
 """Live memory readings behind one interface: NVML for `cuda:N`, host RAM or this process's own
-memory for `cpu`, scripted for tests.
+memory for `cpu` (a scripted one for tests lives in the test kit, tests/probes.py).
 
 Only a device's scheduler reads its probe.
 """
@@ -7,7 +7,6 @@ Only a device's scheduler reads its probe.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -18,7 +17,6 @@ __all__ = [
     "NvmlProbe",
     "ProbeError",
     "ProcessMemoryProbe",
-    "ScriptedProbe",
     "make_probe",
 ]
 
@@ -33,7 +31,7 @@ class MemoryReading:
     total_bytes: int
 
     def check(self) -> MemoryReading:
-        """Reject readings that cannot be true, so admission never trusts nonsense."""
+        """Reject readings that cannot be true, so batch admission never trusts nonsense."""
         if self.total_bytes <= 0 or not 0 <= self.used_bytes <= self.total_bytes:
             raise ProbeError(f"implausible reading: used={self.used_bytes} total={self.total_bytes}")
         return self
@@ -152,41 +150,8 @@ class NvmlProbe:
             pass
 
 
-class ScriptedProbe:
-    """Readings from a script, for tests: a sequence (the last value repeats) or a callable.
-    An exception instance in the script is raised when reached."""
-
-    def __init__(
-        self,
-        device: str,
-        script: Iterable[MemoryReading | BaseException] | Callable[[], MemoryReading],
-    ) -> None:
-        self.device = device
-        self.reads = 0
-        self._call: Callable[[], MemoryReading] | None = script if callable(script) else None
-        self._items: Iterator[MemoryReading | BaseException] | None = (
-            None if callable(script) else iter(list(script))
-        )
-        self._last: MemoryReading | BaseException | None = None
-
-    def read(self) -> MemoryReading:
-        self.reads += 1
-        if self._call is not None:
-            return self._call().check()
-        assert self._items is not None
-        self._last = next(self._items, self._last)
-        if self._last is None:
-            raise ProbeError("scripted probe has no readings")
-        if isinstance(self._last, BaseException):
-            raise self._last
-        return self._last.check()
-
-    def close(self) -> None:
-        pass
-
-
 def make_probe(device: str, kind: str) -> MemoryProbe | None:
-    """The probe a device config asks for; None means the ledger alone governs admission."""
+    """The probe a device config asks for; None means the ledger alone governs batch admission."""
     if kind == "none":
         return None
     if kind == "nvml" or (kind == "auto" and device.startswith("cuda")):

@@ -58,10 +58,6 @@ class ResidencyPlan:
     waiting: tuple[tuple[str, str], ...] = ()  # (instance key, why its load waits)
     never_fits: tuple[tuple[str, str], ...] = ()  # (instance key, why it can never load here)
 
-    @property
-    def empty(self) -> bool:
-        return not (self.loads or self.evictions or self.never_fits)
-
 
 def _urgency(o: Occupant) -> tuple[float, int, str]:
     slack = float("inf") if o.slack_s is None else o.slack_s - o.load_s

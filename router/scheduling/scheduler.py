@@ -1,6 +1,6 @@
 """One scheduler per device: it owns the device's ledger and probe, and dispatches batches.
 
-The decision is `plan_admission` (pure). This module is the thin loop around it: gather the
+The decision is `admit_batches` (pure). This module is the thin loop around it: gather the
 inputs, read the probe, carry out the plan, and sleep until the next batch is due or something
 changes. It sees models and instances only through the `Model` and `Runner` protocols below,
 so tests drive it with fakes, and the serving layer above it is free to change.
@@ -16,7 +16,7 @@ from typing import Protocol
 
 from router.config import BatchPolicy, DeviceConfig
 from router.errors import DeadlineExceeded, ModelDoesNotFit
-from router.scheduling.admission import Candidate, DeviceState, Plan, fits, plan_admission
+from router.scheduling.batch_admission import BatchAdmission, Candidate, DeviceState, admit_batches, fits
 from router.scheduling.ledger import MemoryLedger, Reservation
 from router.scheduling.probes import MemoryProbe, MemoryReading, ProbeError
 from router.scheduling.queue import ModelQueue, Ticket, reject
@@ -97,7 +97,7 @@ class DeviceScheduler:
         self.total_bytes = 0
         self.last_reading: MemoryReading | None = None
         self.paused = False
-        self.last_plan = Plan()
+        self.last_admission = BatchAdmission()
         self.probe_errors = 0
         self.restarts = 0
         self._probe_failing = False
@@ -257,20 +257,20 @@ class DeviceScheduler:
             return next_due
         # Reservations cover what was admitted since; the live reading may be up to one poll old.
         reading = self._read(max_age_s=self.config.poll_interval_ms / 1000.0)
-        plan = plan_admission(candidates, self._device_state(reading=reading))
-        self._record_plan(plan)
+        admission = admit_batches(candidates, self._device_state(reading=reading))
+        self._record_admission(admission)
         by_key = {runner.key: (model, runner) for model, runner in self._members}
-        for admission in plan.admits:
-            model, runner = by_key[admission.instance]
-            self._dispatch(model, runner, admission.size, now)
-        if plan.paused or plan.blocked:
+        for batch in admission.admits:
+            model, runner = by_key[batch.instance]
+            self._dispatch(model, runner, batch.size, now)
+        if admission.paused or admission.blocked:
             poll = now + self.config.poll_interval_ms / 1000.0
             next_due = poll if next_due is None else min(next_due, poll)
         return next_due
 
     def _read(self, max_age_s: float = 0.0) -> MemoryReading | None:
         """Read the probe, or reuse a good reading younger than `max_age_s`; any failure is logged
-        once and turns admission off until it recovers."""
+        once and pauses batch admission until it recovers."""
         if self.probe is None:
             return MemoryReading(self.ledger.weights_bytes, max(self.total_bytes, self.budget_bytes))
         now = self.clock()
@@ -282,11 +282,11 @@ class DeviceScheduler:
         except Exception as exc:
             self.probe_errors += 1
             if not self._probe_failing:
-                log.error("memory probe for %s failed, admission paused: %s", self.device, exc)
+                log.error("memory probe for %s failed, batch admission paused: %s", self.device, exc)
             self._probe_failing = True
             return None
         if self._probe_failing:
-            log.warning("memory probe for %s recovered; admission resumes", self.device)
+            log.warning("memory probe for %s recovered; batch admission resumes", self.device)
             self._probe_failing = False
         self.last_reading = reading
         return reading
@@ -350,12 +350,12 @@ class DeviceScheduler:
     def _served(self, model: str) -> DecayingTotal:
         return self._served_s.setdefault(model, DecayingTotal())
 
-    def _record_plan(self, plan: Plan) -> None:
-        if plan.paused != self.paused:
-            log.warning("device %s admission %s: %s", self.device, "paused" if plan.paused else "resumed",
-                        plan.reason or "below the low watermark")
-        self.paused = plan.paused
-        self.last_plan = plan
+    def _record_admission(self, admission: BatchAdmission) -> None:
+        if admission.paused != self.paused:
+            log.warning("device %s batch admission %s: %s", self.device, "paused" if admission.paused else "resumed",
+                        admission.reason or "below the low watermark")
+        self.paused = admission.paused
+        self.last_admission = admission
 
     def _dispatch(self, model: Model, runner: Runner, size: int, now: float) -> None:
         horizon = model.dispatch_horizon_s(runner, size, now)

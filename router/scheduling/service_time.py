@@ -8,9 +8,10 @@ Pure state and functions, driven with explicit timestamps (no clock of their own
   back to their priors, so an estimate taken during a burst cannot outlive the burst.
 - `Lag` is the same kind of decaying average for the time from a batch's end to the answer.
 - `predict_answer` turns what is queued and running into the time a new request would be answered.
-- `decide_admission` is the admission rule. It can never lock a model out: an idle model always
-  admits, and while it refuses, a bounded share of requests (one per probe interval) is admitted
-  anyway to measure, as a circuit breaker's half-open state does.
+- `deadline_gate` decides whether a new request is queued or refused (503) because it would
+  miss its deadline. It can never lock a model out: an idle model always admits, and while it
+  refuses, a bounded share of requests (one per `HalfOpenGate.interval_s`) is admitted anyway to
+  measure, as a circuit breaker's half-open state does.
 """
 
 from __future__ import annotations
@@ -21,15 +22,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
-    "AdmissionDecision",
     "BatchTime",
     "Decaying",
     "DecayingTotal",
+    "GateDecision",
+    "HalfOpenGate",
     "InstanceLoad",
     "Lag",
     "Prediction",
-    "ProbeGate",
-    "decide_admission",
+    "deadline_gate",
     "predict_answer",
 ]
 
@@ -250,14 +251,14 @@ def predict_answer(
 
 
 @dataclass
-class ProbeGate:
-    """While admission refuses and nothing is being measured (no batch has finished for
+class HalfOpenGate:
+    """While the deadline gate refuses and nothing is being measured (no batch has finished for
     `interval_s`), let one request through every `interval_s` to measure. Under a real overload
     batches keep finishing, so the estimate is fresh and no request is let through against it."""
 
     interval_s: float = 0.5
     last_at: float | None = None
-    probes: int = 0
+    half_opens: int = 0  # requests let through to measure
 
     def open(self, now: float, last_sample_at: float | None = None) -> bool:
         fresh = last_sample_at is not None and now - last_sample_at < self.interval_s
@@ -265,43 +266,43 @@ class ProbeGate:
 
     def take(self, now: float) -> None:
         self.last_at = now
-        self.probes += 1
+        self.half_opens += 1
 
 
 @dataclass(frozen=True)
-class AdmissionDecision:
+class GateDecision:
     admit: bool
-    probe: bool = False  # admitted against the prediction, to measure
-    measure: bool = False  # admitted without a prediction's backing (idle, untimed, probe): never dropped
+    half_open: bool = False  # admitted against the prediction, to measure
+    measure: bool = False  # admitted without a prediction's backing (idle, untimed, half-open): never dropped
     reason: str = ""  # as doomed at dispatch, so that its real answer time is seen
     retry_after_s: float = 1.0
 
 
-def decide_admission(
-    prediction: Prediction | None, budget_s: float, *, idle: bool, gate: ProbeGate, now: float,
-    last_sample_at: float | None = None, take_probe: bool = True,
-) -> AdmissionDecision:
+def deadline_gate(
+    prediction: Prediction | None, budget_s: float, *, idle: bool, gate: HalfOpenGate, now: float,
+    last_sample_at: float | None = None, take_turn: bool = True,
+) -> GateDecision:
     """Admit unless the prediction says the answer would come after the deadline.
 
     An idle model (nothing queued, an instance free) always admits: its real answer time is
     then measured. A model with no timing yet admits. A refusing model whose estimate is not
-    being refreshed (no batch finished since `last_sample_at`) still admits one request per probe
-    interval, so the estimate follows reality down as well as up. With `take_probe`
+    being refreshed (no batch finished since `last_sample_at`) still admits one request per
+    half-open interval, so the estimate follows reality down as well as up. With `take_turn`
     False the gate is only looked at (an early check before the body is read; the real
     decision comes after).
     """
     if idle:
-        return AdmissionDecision(True, measure=True, reason="idle")
+        return GateDecision(True, measure=True, reason="idle")
     if prediction is None:
-        return AdmissionDecision(True, measure=True, reason="no timing yet")
+        return GateDecision(True, measure=True, reason="no timing yet")
     if prediction.answer_in_s <= budget_s:
-        return AdmissionDecision(True, reason="in time")
+        return GateDecision(True, reason="in time")
     if gate.open(now, last_sample_at):
-        if take_probe:
+        if take_turn:
             gate.take(now)
-        return AdmissionDecision(True, probe=True, measure=True, reason="probe")
+        return GateDecision(True, half_open=True, measure=True, reason="half-open")
     retry = max(1.0, prediction.answer_in_s - budget_s)
-    return AdmissionDecision(
+    return GateDecision(
         False,
         reason=f"{prediction.explain()}, more than this request's {budget_s * 1000:.0f} ms deadline",
         retry_after_s=retry,

@@ -12,19 +12,19 @@ from router.errors import InputError, ModelError, QueueFull, UnsupportedMediaTyp
 from router.sdk.plugin import Payload
 from router.serving.deployment import Deployment
 
-__all__ = ["check_answer", "check_media_type", "check_predicted_wait", "check_priority", "check_timeout"]
+__all__ = ["check_answer", "check_deadline_gate", "check_media_type", "check_priority", "check_timeout"]
 
 _JSON_SCALARS = (str, int, bool, type(None))
 
 
-def check_predicted_wait(
-    deployment: Deployment, budget_s: float, now: float, *, take_probe: bool = True,
+def check_deadline_gate(
+    deployment: Deployment, budget_s: float, now: float, *, take_turn: bool = True,
     device_free_at: Mapping[str, float] | None = None,
 ) -> bool:
     """Refuse at once (503) a request that the work already queued and running would push past
     its deadline, rather than queueing it to answer 504 later. Returns whether the request is
     admitted to measure the model's real answer time (it is then never dropped at dispatch)."""
-    decision = deployment.admission(budget_s, now, take_probe=take_probe, device_free_at=device_free_at)
+    decision = deployment.deadline_gate(budget_s, now, take_turn=take_turn, device_free_at=device_free_at)
     if not decision.admit:
         raise QueueFull(
             f"model {deployment.name!r} is overloaded: {decision.reason}; retry later",

@@ -17,12 +17,12 @@ from router.scheduling.residency import Occupant
 from router.scheduling.scheduler import Runner
 from router.scheduling.service_time import (
     MARGIN_DEVIATIONS,
-    AdmissionDecision,
+    GateDecision,
+    HalfOpenGate,
     InstanceLoad,
     Lag,
     Prediction,
-    ProbeGate,
-    decide_admission,
+    deadline_gate,
     predict_answer,
 )
 from router.sdk.plugin import ModelPlugin
@@ -55,7 +55,7 @@ class Residency:
     """A model's residency bookkeeping: who holds it, who waits for it, what operators asked,
     and what its loads and unloads cost. Written by the fleet and the request path."""
 
-    holders: int = 0  # requests in flight, from admission to answer: a model with holders is in use
+    holders: int = 0  # requests in flight, from the deadline gate to the answer: a model with holders is in use
     last_used: float = 0.0
     waiting: list[float] = field(default_factory=list)  # deadlines of requests waiting for a load
     held: bool = False  # an operator's load: kept resident until an operator unloads it
@@ -97,7 +97,7 @@ class Deployment:
     instances: list[ModelInstance] = field(default_factory=list)
     outcomes: Counter[str] = field(default_factory=Counter)
     lag: Lag = field(default_factory=Lag)  # batch end to answer: postprocessing and event-loop lag
-    gate: ProbeGate = field(default_factory=ProbeGate)
+    gate: HalfOpenGate = field(default_factory=HalfOpenGate)
     residency: Residency = field(default_factory=Residency)
     generation: int = 1  # a changed model is a new deployment of the same name, one generation on
 
@@ -187,25 +187,20 @@ class Deployment:
         or it is a new version of a changed model on its way in."""
         return self.on_demand or self.residency.held or (self.generation > 1 and self.state is not ModelState.FAILED)
 
-    @property
-    def idle(self) -> bool:
-        """Nothing queued or being prepared, and an instance free to run it."""
-        return self.queue.occupancy == 0 and any(not i.busy for i in self.ready_instances())
-
-    def admission(
-        self, budget_s: float, now: float, *, take_probe: bool = True, device_free_at: Mapping[str, float] | None = None,
-    ) -> AdmissionDecision:
+    def deadline_gate(
+        self, budget_s: float, now: float, *, take_turn: bool = True, device_free_at: Mapping[str, float] | None = None,
+    ) -> GateDecision:
         """Whether a request with `budget_s` until its deadline should be queued now."""
         samples = [i.times.last_sample_at for i in self.instances if i.times.last_sample_at is not None]
         free = device_free_at or {}
         idle = self.queue.occupancy == 0 and any(not i.busy and free.get(i.device, now) <= now
                                                  for i in self.ready_instances())
-        return decide_admission(self.predict(now, device_free_at=device_free_at), budget_s, idle=idle,
+        return deadline_gate(self.predict(now, device_free_at=device_free_at), budget_s, idle=idle,
                                 gate=self.gate, now=now, last_sample_at=max(samples, default=None),
-                                take_probe=take_probe)
+                                take_turn=take_turn)
 
     def dispatch_horizon_s(self, instance: Runner, size: int, now: float) -> float:
-        """Time from dispatch to answer of a batch of `size` on `instance`, with admission's margin:
+        """Time from dispatch to answer of a batch of `size` on `instance`, with the deadline gate's margin:
         a request whose deadline falls before it is answered 504 at dispatch instead of run."""
         return instance.times.seconds(size, now, MARGIN_DEVIATIONS) + self.lag.at(now)
 

@@ -189,7 +189,7 @@ class ModelInstance:
         return self._state is InstanceState.READY and not self.busy
 
     def load_view(self) -> InstanceLoad:
-        """What admission needs to predict this instance's answers."""
+        """What the deadline gate needs to predict this instance's answers."""
         return InstanceLoad(self.times, self.busy_until if self.busy else None, self.max_batch)
 
     def begin_batch(self, size: int, now: float) -> None:

@@ -112,7 +112,7 @@ async def _load_instance(deployment: Deployment, instance: ModelInstance, schedu
 
 
 async def _time_batches(deployment: Deployment, instance: ModelInstance, sizes: list[int]) -> None:
-    """Time `predict_batch` on the warmed instance at each size: admission's first prediction
+    """Time `predict_batch` on the warmed instance at each size: the deadline gate's first prediction
     comes from these idle-device timings, not from the first batch under load."""
     plugin, clock = instance.plugin, instance.clock
 

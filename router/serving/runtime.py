@@ -35,15 +35,15 @@ from router.scheduling.probes import MemoryProbe, make_probe
 from router.scheduling.queue import ModelQueue, Ticket, reject
 from router.scheduling.scheduler import DeviceScheduler
 from router.sdk.plugin import Payload, PluginContext
-from router.serving.changes import FleetChanges, ReloadReport
-from router.serving.checks import check_answer, check_media_type, check_predicted_wait, check_priority, check_timeout
+from router.serving.checks import check_answer, check_deadline_gate, check_media_type, check_priority, check_timeout
 from router.serving.deployment import Deployment, find_deployment
-from router.serving.fleet import Fleet, UnloadReport
+from router.serving.editor import FleetEditor, ReloadReport
 from router.serving.inflight import InFlight
 from router.serving.instance import ModelInstance
 from router.serving.isolation import RemotePlugin
 from router.serving.loading import load_deployment
 from router.serving.plan import FleetPlan
+from router.serving.residency_executor import ResidencyExecutor, UnloadReport
 from router.serving.snapshots import DeviceInfo, ModelInfo, device_info, model_info
 from router.serving.telemetry import Telemetry, TelemetryFanout
 
@@ -96,10 +96,10 @@ class Runtime:
         self._closed = False
         self._load_task: asyncio.Task[None] | None = None
         self._plugin_extra = dict(plugin_extra or {})
-        self._fleet = Fleet(self._deployments, self._schedulers, self.telemetry, self.clock)
+        self._residency = ResidencyExecutor(self._deployments, self._schedulers, self.telemetry, self.clock)
         for name in self.plan.models:
             self._deployments[name] = self._build(name, self.plan, 1)
-        self._changes = FleetChanges(plan, self._deployments, self._schedulers, self._fleet, self._build, self.clock)
+        self._editor = FleetEditor(plan, self._deployments, self._schedulers, self._residency, self._build, self.clock)
 
     # -- construction and lifecycle ---------------------------------------------------------
 
@@ -136,7 +136,7 @@ class Runtime:
                 log.error("device %s unavailable: %s", device, exc)
                 continue
             self._schedulers[device] = scheduler
-            scheduler.set_actions(self._fleet)
+            scheduler.set_actions(self._residency)
             scheduler.start()
         for deployment in self._deployments.values():
             for instance in deployment.instances:
@@ -181,33 +181,33 @@ class Runtime:
 
     async def load_model(self, name: str) -> ModelInfo:
         """Load a model now and keep it resident until an operator unloads it."""
-        await self._changes.load(name)
+        await self._editor.load(name)
         return self.model(name)
 
     async def unload_model(self, name: str) -> tuple[ModelInfo, list[UnloadReport]]:
         """Unload a model now (queued requests get 503) and keep it out until an operator loads it."""
-        reports = await self._changes.unload(name)
+        reports = await self._editor.unload(name)
         return self.model(name), reports
 
     async def release_model(self, name: str, *, unload: bool = False) -> tuple[ModelInfo, list[UnloadReport]]:
         """Undo `load_model`'s hold: on demand again; with `unload`, unloaded now if nothing uses it."""
-        reports = await self._changes.release(name, unload)
+        reports = await self._editor.release(name, unload)
         return self.model(name), reports
 
     async def put_model(self, name: str, section: Mapping[str, Any], source: str = "PUT /models") -> tuple[str, ModelInfo]:
         """Add or change a model from its fleet-file section: (added | changed | unchanged, its snapshot)."""
         self._check_open()
-        outcome = await self._changes.put(name, section, f"{source}/{name}")
+        outcome = await self._editor.put(name, section, f"{source}/{name}")
         return outcome, self.model(name)
 
     async def delete_model(self, name: str) -> None:
         """Stop taking requests for a model, answer what it accepted, unload it."""
-        await self._changes.delete(name)
+        await self._editor.delete(name)
 
     async def reload(self, path: Path | None = None) -> ReloadReport:
         """Re-read the fleet file (the one served, unless `path`) and apply the difference."""
         self._check_open()
-        return await self._changes.reload(path or Path(self._changes.plan.source))
+        return await self._editor.reload(path or Path(self._editor.plan.source))
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -267,7 +267,7 @@ class Runtime:
     async def stop(self) -> None:
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
-        await self._fleet.stop()
+        await self._residency.stop()
         for scheduler in self._schedulers.values():
             await scheduler.stop()
         for deployment in self._deployments.values():
@@ -305,7 +305,7 @@ class Runtime:
             budget_s = check_timeout(deployment, timeout_ms) - (now - started)
             deployment.queue.check_room(now, items)
             if body_bytes is None or body_bytes > PRECHECK_WAIT_MIN_BYTES:
-                check_predicted_wait(deployment, budget_s, now, take_probe=False, device_free_at=self._free_at(now))
+                check_deadline_gate(deployment, budget_s, now, take_turn=False, device_free_at=self._free_at(now))
         except RouterError as exc:
             self._count(deployment, outcome_of(exc), started)
             raise
@@ -344,7 +344,7 @@ class Runtime:
         deadline = started + check_timeout(deployment, timeout_ms)
         queue = deployment.queue
         now = self.clock()
-        measure = check_predicted_wait(deployment, deadline - now, now, device_free_at=self._free_at(now))
+        measure = check_deadline_gate(deployment, deadline - now, now, device_free_at=self._free_at(now))
         queue.reserve_slot(started)
         deployment.residency.hold(now)  # in use: not evicted until answered
         try:
@@ -361,7 +361,7 @@ class Runtime:
         queue = deployment.queue
         try:
             if not deployment.serving:  # an on-demand model: wait for its load (counted in its queue)
-                waited = await self._fleet.until_serving(deployment, deadline)
+                waited = await self._residency.until_serving(deployment, deadline)
                 self.telemetry.observe_cold_wait(deployment.name, waited)
             plugin = deployment.front
             item = await self._before(deadline, deployment, self._hook(deployment, "preprocess", plugin.preprocess, payload))
@@ -380,7 +380,7 @@ class Runtime:
             self._tickets.discard(ticket)
         result = await self._hook(deployment, "postprocess", plugin.postprocess, output, item)
         check_answer(deployment, result)
-        if ticket.dispatched_at is not None:  # batch end to answer: what admission adds after a batch
+        if ticket.dispatched_at is not None:  # batch end to answer: what the deadline gate adds after a batch
             now = self.clock()
             deployment.lag.observe(max(0.0, now - ticket.dispatched_at - ticket.execution_s), now)
         wait = (ticket.dispatched_at or ticket.arrived_at) - ticket.arrived_at
@@ -403,10 +403,10 @@ class Runtime:
         if deployment.serving:
             return
         if deployment.waits_for_load:
-            self._fleet.check_loadable(deployment)
+            self._residency.check_loadable(deployment)
             return
         if deployment.residency.held_down:
-            self._fleet.check_loadable(deployment)
+            self._residency.check_loadable(deployment)
         reason = f": {deployment.error}" if deployment.error else ""
         raise ModelUnavailable(f"model {deployment.name!r} is {deployment.state.value}{reason}", retry_after_s=5.0)
 

@@ -38,7 +38,7 @@ class MemoryFigures:
 
 @dataclass(frozen=True)
 class TimingInfo:
-    """The service-time figures admission predicts from, for one instance."""
+    """The service-time figures the deadline gate predicts from, for one instance."""
 
     index: int
     source: str
@@ -108,7 +108,7 @@ class ModelInfo:
     requests: Mapping[str, int]
     timing: tuple[TimingInfo, ...]
     answer_lag_ms: float
-    probes: int
+    half_opens: int  # requests the deadline gate let through to measure
     residency: ResidencyInfo | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -134,7 +134,7 @@ class ModelInfo:
                       "effective_max_size": sized.max_batch if sized else 1},
             "memory": {"budget_bytes": self.budget_bytes, **_memory_fields(memory)},
             "timing": {"instances": [asdict(t) for t in self.timing], "answer_lag_ms": self.answer_lag_ms,
-                       "probes": self.probes},
+                       "half_opens": self.half_opens},
             "execution_timeout_ms": self.execution_timeout_ms,
             "weight": self.weight,
             "required": self.required,
@@ -210,7 +210,7 @@ def model_info(deployment: Deployment, now: float) -> ModelInfo:
         requests=dict(deployment.outcomes),
         timing=tuple(_timing(i, now) for i in deployment.instances),
         answer_lag_ms=round(deployment.lag.at(now) * 1000, 3),
-        probes=deployment.gate.probes,
+        half_opens=deployment.gate.half_opens,
         residency=_residency(deployment, now),
     )
 

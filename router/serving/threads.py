@@ -5,7 +5,7 @@ per thread), torch's intra-op threads (one batch spread over them), and one thre
 instance (which only waits while a batch runs on a GPU). On the CPU device the scheduler runs one
 batch at a time (`devices.cpu.max_concurrent_batches`, default 1), so torch's threads are the
 only ones a batch uses. OpenCV runs single-threaded inside a pool thread (router.sdk.images sets
-that when it first imports OpenCV): the pool is the parallelism. `plan_threads` is the pure
+that when it first imports OpenCV): the pool is the parallelism. `count_threads` is the pure
 decision; `apply_threads` carries it out once, at start, without importing what the fleet's
 plugins did not.
 """
@@ -17,26 +17,26 @@ import os
 import sys
 from dataclasses import dataclass
 
-__all__ = ["ThreadPlan", "apply_threads", "plan_threads"]
+__all__ = ["ThreadCounts", "apply_threads", "count_threads"]
 
 log = logging.getLogger("router.serving.threads")
 
 
 @dataclass(frozen=True)
-class ThreadPlan:
+class ThreadCounts:
     cores: int
     cpu_workers: int  # the CPU pool
     torch_threads: int  # torch's intra-op threads, shared by every batch on the CPU
 
 
-def plan_threads(cores: int, cpu_workers: int = 0, torch_threads: int = 0) -> ThreadPlan:
+def count_threads(cores: int, cpu_workers: int = 0, torch_threads: int = 0) -> ThreadCounts:
     """The settings where given (> 0), else the measured defaults: torch and the pool each get
     every core. With one batch at a time on the CPU the two overlap only while a batch runs and
     the next inputs decode. On 2 cores, pool 1 and pool 2 cost the same CPU time per answer
     (16.2 and 16.3 answers per CPU-second); pool 1 served more in steady load, pool 2 more goodput
     in the cold 5x surge, so the pool keeps every core (README: "host pipeline")."""
     cores = max(1, cores)
-    return ThreadPlan(cores=cores, cpu_workers=cpu_workers or cores, torch_threads=torch_threads or cores)
+    return ThreadCounts(cores=cores, cpu_workers=cpu_workers or cores, torch_threads=torch_threads or cores)
 
 
 def available_cores() -> int:
@@ -47,9 +47,9 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def apply_threads(plan: ThreadPlan) -> None:
-    """Set torch's thread count where the fleet's plugins use torch (imported by now); log the plan once."""
+def apply_threads(counts: ThreadCounts) -> None:
+    """Set torch's thread count where the fleet's plugins use torch (imported by now); log the counts once."""
     torch = sys.modules.get("torch")
     if torch is not None:
-        torch.set_num_threads(plan.torch_threads)
-    log.info("threads: %d core(s); CPU pool %d, torch intra-op %d", plan.cores, plan.cpu_workers, plan.torch_threads)
+        torch.set_num_threads(counts.torch_threads)
+    log.info("threads: %d core(s); CPU pool %d, torch intra-op %d", counts.cores, counts.cpu_workers, counts.torch_threads)

@@ -19,7 +19,7 @@ from model_router_resnet import ResNetOptions, ResNetPlugin
 from model_router_yolo import YoloOptions, YoloPlugin
 from pydantic import ValidationError
 
-from router.exporting import installed_exporters, plan_export, run_export, source_model
+from router.exporting import export_steps, installed_exporters, run_export, source_model
 from router.sdk import ExportError
 from router.sdk.plugin import Payload, PluginContext
 from router.serving.registry import PluginRegistry
@@ -138,7 +138,7 @@ def test_engine_format_where_tensorrt_cannot_run_fails_before_exporting(demo_sto
 
     if not engine_problems():
         pytest.skip("TensorRT and a GPU are present here: the engine would be built")
-    steps = plan_export(installed_exporters(), "tensorrt")
+    steps = export_steps(installed_exporters(), "tensorrt")
     assert [step.exporter.format for step in steps] == ["onnx", "tensorrt"]
     lines: list[str] = []
     source = source_model(fleet_plan(demo_store), "resnet18")

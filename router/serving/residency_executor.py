@@ -1,13 +1,13 @@
-"""The fleet: carries out residency. Loads and unloads instances at run time, for the device
-schedulers' residency plans (on-demand loads, evictions, idle unloads) and for operators.
+"""The residency executor: loads and unloads instances at run time, for the device schedulers'
+residency plans (on-demand loads, evictions, idle unloads) and for operators.
 
-Each device scheduler decides *what* is resident (`router.scheduling.residency`); the fleet does
-it, in the background, and tells the scheduler when it is done. Loads are single-flight: an
-instance that is loading is never asked to load again. An unload stops new batches, waits for the
-running one, calls the plugin's `unload`, gives the memory back to the device (garbage
-collection, CUDA's cache, glibc's free lists), waits a bounded time to see it back in the probe,
-and only then releases the weights from the ledger; the bytes actually returned are logged and
-shown in `GET /models`.
+Each device scheduler decides *what* is resident (the residency planner,
+`router.scheduling.residency`); the executor does it, in the background, and tells the scheduler
+when it is done. Loads are single-flight: an instance that is loading is never asked to load
+again. An unload stops new batches, waits for the running one, calls the plugin's `unload`, gives
+the memory back to the device (garbage collection, CUDA's cache, glibc's free lists), waits a
+bounded time to see it back in the probe, and only then releases the weights from the ledger;
+the bytes actually returned are logged and shown in `GET /models`.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from router.serving.loading import load_instance
 from router.serving.memory import give_back_memory
 from router.serving.telemetry import Telemetry
 
-__all__ = ["Fleet", "UnloadReport"]
+__all__ = ["ResidencyExecutor", "UnloadReport"]
 
-log = logging.getLogger("router.serving.fleet")
+log = logging.getLogger("router.serving.residency_executor")
 #: How long an unload waits to see its memory back in the probe before releasing the ledger anyway.
 #: Giving memory back (process exit, CUDA's cache, glibc's trim) is synchronous; what has not come
-#: back by then stays with the framework or the allocator (still seen by the probe, so admission
+#: back by then stays with the framework or the allocator (still seen by the probe, so batch admission
 #: and residency count it).
 MEMORY_BACK_WAIT_S = 0.25
 #: The share of an instance's booked weights the probe must show returned to count as "back".
@@ -47,8 +47,8 @@ class UnloadReport:
     returned_bytes: int | None  # seen in the probe; None without a probe
 
 
-class Fleet:
-    """Residency actions for every device scheduler, and the admin verbs behind them."""
+class ResidencyExecutor:
+    """Carries out residency plans for every device scheduler, and the admin verbs' loads and unloads."""
 
     def __init__(
         self,

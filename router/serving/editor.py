@@ -31,15 +31,15 @@ from router.errors import ConfigError, ModelDoesNotFit, ModelUnavailable
 from router.scheduling.queue import reject
 from router.scheduling.scheduler import DeviceScheduler
 from router.serving.deployment import Deployment, find_deployment
-from router.serving.fleet import Fleet, UnloadReport
 from router.serving.instance import InstanceState
 from router.serving.loading import load_instance
 from router.serving.plan import FleetPlan, load_plan, resolve_fleet
 from router.serving.registry import PluginRegistry
+from router.serving.residency_executor import ResidencyExecutor, UnloadReport
 
-__all__ = ["FleetChanges", "ReloadReport"]
+__all__ = ["FleetEditor", "ReloadReport"]
 
-log = logging.getLogger("router.serving.changes")
+log = logging.getLogger("router.serving.editor")
 Builder = Callable[[str, FleetPlan, int], Deployment]
 #: How often a retiring model's remaining requests are looked at.
 POLL_S = 0.02
@@ -57,22 +57,23 @@ class ReloadReport:
     warnings: list[str] = field(default_factory=list)
 
 
-class FleetChanges:
-    """The admin verbs. They change `deployments` (shared with the runtime) and drive the fleet."""
+class FleetEditor:
+    """The fleet editor: the admin verbs. They change `deployments` (shared with the runtime) and
+    drive the residency executor."""
 
     def __init__(
         self,
         plan: FleetPlan,
         deployments: MutableMapping[str, Deployment],
         schedulers: Mapping[str, DeviceScheduler],
-        fleet: Fleet,
+        residency: ResidencyExecutor,
         build: Builder,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.plan = plan
         self._deployments = deployments
         self._schedulers = schedulers
-        self._fleet = fleet
+        self._residency = residency
         self._build = build
         self._clock = clock
         self._lock = asyncio.Lock()
@@ -93,7 +94,7 @@ class FleetChanges:
         res.held, res.held_down = True, False
         res.load_error, res.never_fits, res.retry_at = None, None, 0.0
         res.pulse()
-        self._fleet.notify(deployment)
+        self._residency.notify(deployment)
         limit = self._clock() + deployment.config.load_timeout_ms / 1000 * max(1, len(deployment.instances))
         while not all(i.state in (InstanceState.READY, InstanceState.FENCED) for i in deployment.instances):
             if res.never_fits is not None:
@@ -106,7 +107,7 @@ class FleetChanges:
             try:
                 await asyncio.wait_for(changed.wait(), 1.0)
             except TimeoutError:
-                self._fleet.notify(deployment)
+                self._residency.notify(deployment)
 
     async def unload(self, name: str) -> list[UnloadReport]:
         async with self._lock:
@@ -125,7 +126,7 @@ class FleetChanges:
             res = deployment.residency
             res.held = False
             res.pulse()
-            self._fleet.notify(deployment)
+            self._residency.notify(deployment)
             if not unload or not deployment.on_demand or res.holders or deployment.queue.occupancy:
                 return []
             return await self._unload(deployment, "released", "released by the cluster's placement")
@@ -137,8 +138,8 @@ class FleetChanges:
         loaded = [i for i in deployment.instances if i.loaded]
         for instance in loaded:
             deployment.residency.evictions[kind] += 1
-            self._fleet.telemetry.observe_eviction(deployment.name, instance.device, kind)
-        reports = await asyncio.gather(*(self._fleet.unload_instance(deployment, i, f"{kind}: {why}") for i in loaded))
+            self._residency.telemetry.observe_eviction(deployment.name, instance.device, kind)
+        reports = await asyncio.gather(*(self._residency.unload_instance(deployment, i, f"{kind}: {why}") for i in loaded))
         for ticket in deployment.queue.withdraw_all():
             reject(ticket, ModelUnavailable(f"model {deployment.name!r} was {why}", retry_after_s=5.0))
         return list(reports)
@@ -238,7 +239,7 @@ class FleetChanges:
 
     async def _replace(self, old: Deployment, new: Deployment) -> None:
         """Swap in a new version with no request failing; fall back to the old one on failure."""
-        self._fleet.retire(old)
+        self._residency.retire(old)
         if any(i.loaded for i in old.instances) and not new.on_demand:
             beside = await self._load_beside(new)
             if beside is True:
@@ -279,7 +280,7 @@ class FleetChanges:
             if ok:
                 continue
             for loaded in (i for i in new.instances if i.loaded):
-                await self._fleet.unload_instance(new, loaded, "replaced: not enough room beside the old version")
+                await self._residency.unload_instance(new, loaded, "replaced: not enough room beside the old version")
             if instance.state is InstanceState.UNLOADED:
                 return None
             return instance.error or "load failed"
@@ -287,7 +288,7 @@ class FleetChanges:
 
     async def _retire(self, deployment: Deployment, kind: str, why: str, *, detach: bool = True) -> None:
         """Let a model that no longer takes requests answer what it accepted, then unload it."""
-        self._fleet.retire(deployment)
+        self._residency.retire(deployment)
         limit = self._clock() + (deployment.config.queue.timeout_ms + deployment.config.execution.timeout_ms) / 1000
         while deployment.residency.holders > 0 and self._clock() < limit:
             await asyncio.sleep(POLL_S)
@@ -304,4 +305,4 @@ class FleetChanges:
             scheduler = self._schedulers.get(instance.device)
             if scheduler is not None:
                 scheduler.detach(instance)
-            self._fleet.forget(instance.key)
+            self._residency.forget(instance.key)

@@ -1,7 +1,8 @@
-"""The admission rule: a pure function from (candidates, device state) to a plan.
+"""Batch admission: a pure function from (candidates, device state) to the batches admitted.
 
-No I/O, no clock, no locks. The device scheduler gathers the inputs, calls `plan_admission`,
-and carries out the plan.
+No I/O, no clock, no locks. The device scheduler gathers the inputs, calls `admit_batches`,
+and dispatches the batches it admits. (Requests meet the deadline gate earlier, in
+`router.scheduling.service_time`; this rule is about memory.)
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Admission", "Candidate", "DeviceState", "Plan", "fits", "plan_admission"]
+__all__ = ["AdmittedBatch", "BatchAdmission", "Candidate", "DeviceState", "admit_batches", "fits"]
 
 
 @dataclass(frozen=True)
@@ -37,13 +38,13 @@ class DeviceState:
     reserved_bytes: int  # outstanding reservations of running batches
     high_watermark: float = 0.9
     low_watermark: float = 0.8
-    paused: bool = False  # the previous plan's pause state (hysteresis)
+    paused: bool = False  # the previous admission's pause state (hysteresis)
     running_batches: int = 0  # batches running on the device now
     max_concurrent_batches: int | None = None  # None: as many as memory allows
 
 
 @dataclass(frozen=True)
-class Admission:
+class AdmittedBatch:
     model: str
     instance: str
     size: int
@@ -51,8 +52,8 @@ class Admission:
 
 
 @dataclass(frozen=True)
-class Plan:
-    admits: list[Admission] = field(default_factory=list)
+class BatchAdmission:
+    admits: list[AdmittedBatch] = field(default_factory=list)
     paused: bool = False
     blocked: str | None = None  # a model whose head waits for memory; nobody behind it goes first
     reason: str = ""
@@ -82,22 +83,22 @@ def _paused(device: DeviceState) -> bool:
     return share >= device.high_watermark
 
 
-def plan_admission(candidates: Sequence[Candidate], device: DeviceState) -> Plan:
+def admit_batches(candidates: Sequence[Candidate], device: DeviceState) -> BatchAdmission:
     """Admit batches while reading + reservations + estimate stays within the device budget and
     each model's budget, and while fewer than `max_concurrent_batches` run. Fair order by `share`;
     a head that cannot fit blocks those behind it."""
     if device.used_bytes is None:
-        return Plan(paused=True, reason="memory probe unavailable; admission paused")
+        return BatchAdmission(paused=True, reason="memory probe unavailable; admission paused")
     if _paused(device):
-        return Plan(paused=True, reason="device memory above the high watermark; admission paused")
+        return BatchAdmission(paused=True, reason="device memory above the high watermark; admission paused")
     limit = device.max_concurrent_batches
     slots = None if limit is None else limit - device.running_batches
     if slots is not None and slots <= 0:
-        return Plan(reason=f"{device.running_batches} batch(es) running, the device's limit is {limit}")
+        return BatchAdmission(reason=f"{device.running_batches} batch(es) running, the device's limit is {limit}")
     free = device.budget_bytes - device.used_bytes - device.reserved_bytes
     left = {c.model: c.queued for c in candidates}
     booked = {c.model: c.model_bytes for c in candidates}
-    admits: list[Admission] = []
+    admits: list[AdmittedBatch] = []
     for c in sorted(candidates, key=lambda c: (c.share, c.model, c.instance)):
         want = min(c.max_batch, left[c.model])
         if want <= 0:
@@ -107,12 +108,12 @@ def plan_admission(candidates: Sequence[Candidate], device: DeviceState) -> Plan
         if n == 0:
             if model_room is not None and largest_fitting(c, 1, model_room) == 0:
                 continue  # held back by its own budget only: others may go
-            return Plan(admits, blocked=c.model, reason=f"{c.model}: batch of 1 waits for device memory")
+            return BatchAdmission(admits, blocked=c.model, reason=f"{c.model}: batch of 1 waits for device memory")
         need = c.batch_bytes(n)
-        admits.append(Admission(c.model, c.instance, n, need))
+        admits.append(AdmittedBatch(c.model, c.instance, n, need))
         free -= need
         left[c.model] -= n
         booked[c.model] += need
         if slots is not None and len(admits) == slots:
-            return Plan(admits, reason=f"the device's limit of {limit} concurrent batch(es) is reached")
-    return Plan(admits)
+            return BatchAdmission(admits, reason=f"the device's limit of {limit} concurrent batch(es) is reached")
+    return BatchAdmission(admits)

@@ -1,4 +1,4 @@
-"""The pure admission rule: plan_admission and its helpers, driven with plain values."""
+"""Batch admission (the pure rule): admit_batches and its helpers, driven with plain values."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.scheduling.admission import Admission, Candidate, DeviceState, fits, largest_fitting, plan_admission
+from router.scheduling.batch_admission import AdmittedBatch, Candidate, DeviceState, admit_batches, fits, largest_fitting
 
 AMPLE = 1_000_000
 
@@ -43,18 +43,18 @@ def device(budget: int = 1000, used: int | None = 0, reserved: int = 0, *, pause
 
 
 def test_admits_full_batch_within_budget() -> None:
-    plan = plan_admission([cand("a", queued=5, max_batch=8, per_item=100, fixed=20)], device(budget=1000))
+    plan = admit_batches([cand("a", queued=5, max_batch=8, per_item=100, fixed=20)], device(budget=1000))
 
-    assert plan.admits == [Admission("a", "a/0", 5, 520)]
+    assert plan.admits == [AdmittedBatch("a", "a/0", 5, 520)]
     assert plan.blocked is None
     assert not plan.paused
 
 
 def test_batch_shrinks_to_largest_size_that_fits() -> None:
     # free = 1000 - 500 used - 100 reserved = 400; 50 + 3 * 100 fits, 50 + 4 * 100 does not
-    plan = plan_admission([cand("a", per_item=100, fixed=50)], device(budget=1000, used=500, reserved=100))
+    plan = admit_batches([cand("a", per_item=100, fixed=50)], device(budget=1000, used=500, reserved=100))
 
-    assert plan.admits == [Admission("a", "a/0", 3, 350)]
+    assert plan.admits == [AdmittedBatch("a", "a/0", 3, 350)]
 
 
 def test_largest_fitting_counts_fixed_cost_and_caps_at_want() -> None:
@@ -97,9 +97,9 @@ def test_head_that_cannot_fit_one_item_blocks_everyone_behind_it(head_budget: in
         cand("early", share=0.0, queued=1, per_item=100),
     ]
 
-    plan = plan_admission(candidates, device(budget=1000, used=500))  # free 500, then 400 after "early"
+    plan = admit_batches(candidates, device(budget=1000, used=500))  # free 500, then 400 after "early"
 
-    assert plan.admits == [Admission("early", "early/0", 1, 100)]
+    assert plan.admits == [AdmittedBatch("early", "early/0", 1, 100)]
     assert plan.blocked == "big"
     assert "big" in plan.reason
 
@@ -108,10 +108,10 @@ def test_candidate_held_back_only_by_its_own_budget_does_not_block_others() -> N
     capped = cand("capped", share=0.0, per_item=100, model_budget=1000, model_bytes=950)
     other = cand("other", share=1.0, queued=2, per_item=100)
 
-    plan = plan_admission([capped, other], device(budget=1000, used=0))
+    plan = admit_batches([capped, other], device(budget=1000, used=0))
 
     assert plan.blocked is None
-    assert plan.admits == [Admission("other", "other/0", 2, 200)]
+    assert plan.admits == [AdmittedBatch("other", "other/0", 2, 200)]
 
 
 def test_model_budget_is_shared_by_two_instances_of_one_model() -> None:
@@ -119,16 +119,16 @@ def test_model_budget_is_shared_by_two_instances_of_one_model() -> None:
     a0 = cand("a", instance="a/0", queued=20, max_batch=3, model_budget=1000, model_bytes=600)
     a1 = cand("a", instance="a/1", queued=20, max_batch=3, model_budget=1000, model_bytes=600)
 
-    plan = plan_admission([a1, a0], device(budget=AMPLE))
+    plan = admit_batches([a1, a0], device(budget=AMPLE))
 
-    assert plan.admits == [Admission("a", "a/0", 3, 300), Admission("a", "a/1", 1, 100)]
+    assert plan.admits == [AdmittedBatch("a", "a/0", 3, 300), AdmittedBatch("a", "a/1", 1, 100)]
 
 
 def test_two_instances_never_admit_more_than_queued_in_total() -> None:
     a0 = cand("a", instance="a/0", queued=5, max_batch=4)
     a1 = cand("a", instance="a/1", queued=5, max_batch=4)
 
-    plan = plan_admission([a0, a1], device(budget=AMPLE))
+    plan = admit_batches([a0, a1], device(budget=AMPLE))
 
     assert [(a.instance, a.size) for a in plan.admits] == [("a/0", 4), ("a/1", 1)]
 
@@ -137,7 +137,7 @@ def test_lower_share_goes_first() -> None:
     served_more = cand("aaa", share=5.0, queued=1, per_item=600)
     served_less = cand("zzz", share=1.0, queued=1, per_item=600)
 
-    plan = plan_admission([served_more, served_less], device(budget=1000))
+    plan = admit_batches([served_more, served_less], device(budget=1000))
 
     assert [a.model for a in plan.admits] == ["zzz"]
 
@@ -145,9 +145,9 @@ def test_lower_share_goes_first() -> None:
 def test_equal_share_order_is_deterministic() -> None:
     candidates = [cand(name, share=1.0, queued=1, per_item=400) for name in ("b", "c", "a")]
 
-    plans = {tuple(plan_admission(list(p), device(budget=1000)).admits) for p in itertools.permutations(candidates)}
+    plans = {tuple(admit_batches(list(p), device(budget=1000)).admits) for p in itertools.permutations(candidates)}
 
-    assert plans == {(Admission("a", "a/0", 1, 400), Admission("b", "b/0", 1, 400))}
+    assert plans == {(AdmittedBatch("a", "a/0", 1, 400), AdmittedBatch("b", "b/0", 1, 400))}
 
 
 @pytest.mark.parametrize(
@@ -165,7 +165,7 @@ def test_watermark_hysteresis(used: int, was_paused: bool, paused: bool) -> None
     dev = DeviceState(budget_bytes=1000, used_bytes=used, reserved_bytes=0, high_watermark=0.9,
                       low_watermark=0.8, paused=was_paused)
 
-    plan = plan_admission([cand("a", queued=1, per_item=10)], dev)
+    plan = admit_batches([cand("a", queued=1, per_item=10)], dev)
 
     assert plan.paused is paused
     assert len(plan.admits) == (0 if paused else 1)
@@ -173,7 +173,7 @@ def test_watermark_hysteresis(used: int, was_paused: bool, paused: bool) -> None
 
 
 def test_missing_reading_pauses_admission_with_a_reason() -> None:
-    plan = plan_admission([cand("a", queued=1, per_item=1)], device(used=None))
+    plan = admit_batches([cand("a", queued=1, per_item=1)], device(used=None))
 
     assert plan.paused
     assert plan.admits == []
@@ -204,7 +204,7 @@ def scenarios(draw: st.DrawFn) -> tuple[list[Candidate], DeviceState]:
 @given(scenarios())
 def test_plans_never_exceed_device_or_model_budgets(scenario: tuple[list[Candidate], DeviceState]) -> None:
     candidates, dev = scenario
-    plan = plan_admission(candidates, dev)
+    plan = admit_batches(candidates, dev)
     by_instance = {c.instance: c for c in candidates}
 
     if dev.used_bytes is None or plan.paused:
@@ -233,7 +233,7 @@ def limited(running: int, limit: int | None) -> DeviceState:
 
 
 def test_a_device_at_its_batch_limit_admits_nothing_and_is_neither_paused_nor_blocked() -> None:
-    plan = plan_admission([cand("a"), cand("b")], limited(running=1, limit=1))
+    plan = admit_batches([cand("a"), cand("b")], limited(running=1, limit=1))
 
     assert plan.admits == [] and not plan.paused and plan.blocked is None
     assert "limit is 1" in plan.reason
@@ -242,7 +242,7 @@ def test_a_device_at_its_batch_limit_admits_nothing_and_is_neither_paused_nor_bl
 def test_the_batch_limit_admits_in_fair_order_up_to_the_free_slots() -> None:
     candidates = [cand("a", share=3.0), cand("b", share=1.0), cand("c", share=2.0)]
 
-    plan = plan_admission(candidates, limited(running=1, limit=3))
+    plan = admit_batches(candidates, limited(running=1, limit=3))
 
     assert [a.model for a in plan.admits] == ["b", "c"]
 
@@ -250,14 +250,14 @@ def test_the_batch_limit_admits_in_fair_order_up_to_the_free_slots() -> None:
 def test_no_limit_admits_every_candidate_that_fits() -> None:
     candidates = [cand("a"), cand("b"), cand("c")]
 
-    assert len(plan_admission(candidates, limited(running=5, limit=None)).admits) == 3
+    assert len(admit_batches(candidates, limited(running=5, limit=None)).admits) == 3
 
 
 @given(running=st.integers(0, 6), limit=st.integers(1, 6), count=st.integers(0, 6))
 def test_admitted_plus_running_never_exceeds_the_limit(running: int, limit: int, count: int) -> None:
     candidates = [cand(f"m{i}", share=float(i)) for i in range(count)]
 
-    plan = plan_admission(candidates, limited(running=running, limit=limit))
+    plan = admit_batches(candidates, limited(running=running, limit=limit))
 
     assert len(plan.admits) == max(0, min(count, limit - running))
 
