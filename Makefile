@@ -14,6 +14,7 @@ serve: $(VENV)/.serve $(DEMO)
 	$(BIN)/model-router serve --config $(CONFIG)
 
 test: $(VENV)/.test $(VENV)/.ray $(DEMO) test-tools
+	$(BIN)/ruff check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Debian's prometheus (with promtool) and chromium for the operators' view tests; see the script.

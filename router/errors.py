@@ -10,13 +10,13 @@ from collections.abc import Mapping
 from typing import ClassVar, Final
 
 __all__ = [
+    "V2_STATUS",
     "BatchSizeMismatch",
     "ClientDisconnected",
     "ConfigError",
     "DeadlineExceeded",
     "DeviceOutOfMemory",
     "ExecutionTimeout",
-    "V2_STATUS",
     "Forbidden",
     "InputError",
     "ModelDoesNotFit",
@@ -236,7 +236,7 @@ def brief(value: object, limit: int = 80) -> str:
     shown.maxlist = shown.maxtuple = shown.maxdict = shown.maxset = 6
     try:
         text = shown.repr(value)
-    except Exception:  # an integer too long for str(), a broken __repr__
+    except Exception:  # noqa: BLE001  # an integer too long for str(), a broken __repr__
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[:limit - 3] + "..."
 

@@ -48,7 +48,7 @@ def serve_refusal(config: Path, env: dict[str, str] | None = None) -> tuple[int,
     child_env = {k: v for k, v in os.environ.items() if not k.startswith("MODEL_ROUTER_")}
     child_env.update({"MODEL_ROUTER_CONFIG": str(config), "MODEL_ROUTER_PORT": str(free_port()), **(env or {})})
     done = subprocess.run([sys.executable, "-m", "router", "serve"], cwd=REPO, env=child_env, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, check=False)
     return done.returncode, done.stderr.strip()
 
 

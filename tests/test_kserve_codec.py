@@ -90,8 +90,8 @@ def test_json_tensors_flat_or_nested_with_their_datatypes() -> None:
 
 @pytest.mark.parametrize(("tensor", "message"), [
     ({"name": "x", "datatype": "FLOAT", "shape": [1], "data": [1]},
-     "input 'x': datatype must be one of BOOL, UINT8, UINT16, UINT32, UINT64, INT8, INT16, INT32, INT64, "
-     "FP16, FP32, FP64, BF16, BYTES, got 'FLOAT'"),
+     ("input 'x': datatype must be one of BOOL, UINT8, UINT16, UINT32, UINT64, INT8, INT16, INT32, INT64, "
+      "FP16, FP32, FP64, BF16, BYTES, got 'FLOAT'")),
     ({"name": "x", "datatype": "FP32", "shape": [-1, 2], "data": [1, 2]},
      "input 'x': shape must be a non-empty list of non-negative integers, got [-1, 2]"),
     ({"name": "x", "datatype": "FP32", "shape": [], "data": []},

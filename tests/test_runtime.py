@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -220,7 +221,7 @@ async def test_models_sharing_a_device_get_time_in_proportion_to_their_weight(tm
     rows = sorted((json.loads(line) for line in record.read_text().splitlines()), key=lambda r: r["start"])
     first = [r["model"] for r in rows[:24]]  # both queues are still full here
     assert 15 <= first.count("heavy") <= 21, first
-    assert all(a["end"] <= b["start"] for a, b in zip(rows, rows[1:])), "batches over budget overlapped"
+    assert all(a["end"] <= b["start"] for a, b in itertools.pairwise(rows)), "batches over budget overlapped"
 
 
 def test_requests_queued_behind_a_hung_batch_get_504_at_their_deadline(tmp_path: Path) -> None:
@@ -314,7 +315,7 @@ async def test_a_plugin_bug_is_a_500_whose_log_names_plugin_and_hook(
 class SlowPreprocess(Buggy):
     """preprocess of 'block' waits for `release`; every preprocess call is recorded."""
 
-    calls: list[str] = []
+    calls: ClassVar[list[str]] = []
     release = __import__("threading").Event()
 
     def preprocess(self, payload: Payload) -> str:
@@ -354,7 +355,7 @@ async def test_the_device_decides_how_many_batches_run_at_once(tmp_path: Path, s
     async with running(make_runtime(tmp_path, fleet)) as runtime:
         await asyncio.gather(*(runtime.submit(m, ask(f"{m}{i}")) for i in range(4) for m in "abc"))
     rows = sorted((json.loads(line) for line in record.read_text().splitlines()), key=lambda r: r["start"])
-    overlapped = any(b["start"] < a["end"] for a, b in zip(rows, rows[1:]))
+    overlapped = any(b["start"] < a["end"] for a, b in itertools.pairwise(rows))
     assert len(rows) == 12 and overlapped is overlap
 
 

@@ -104,7 +104,7 @@ class ClusterRuntime:
     async def refresh(self) -> None:
         try:
             self.reports = await self.calls.view()
-        except Exception as exc:  # placement restarting: keep the last view
+        except Exception as exc:  # noqa: BLE001  # placement restarting: keep the last view
             log.warning("cluster view not refreshed: %s: %s", type(exc).__name__, exc)
 
     async def _refresh_loop(self) -> None:

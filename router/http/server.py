@@ -48,7 +48,7 @@ class DrainingServer(uvicorn.Server):
         async def reload() -> None:
             try:
                 report = await self.runtime.reload()
-            except Exception as exc:  # a bad file: say so, keep serving what serves
+            except Exception as exc:  # noqa: BLE001  # a bad file: say so, keep serving what serves
                 log.error("reload on SIGHUP failed, nothing changed: %s", exc)
                 return
             log.info("reload on SIGHUP: added %s, changed %s, removed %s, errors %s, warnings %s", report.added,

@@ -279,7 +279,7 @@ class DeviceScheduler:
         self._last_read_at = now
         try:
             reading = self.probe.read().check()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  # any probe failure pauses admission, counted and logged
             self.probe_errors += 1
             if not self._probe_failing:
                 log.error("memory probe for %s failed, batch admission paused: %s", self.device, exc)

@@ -178,7 +178,7 @@ class FleetEditor:
                         **self.plan.fleet.models, name: target.fleet.models[name]}}),
                         models={**self.plan.models, name: target.models[name]})
                     outcome = await self._apply(name, plan)
-                except Exception as exc:  # one model's failure never stops the others
+                except Exception as exc:  # noqa: BLE001  # one model's failure never stops the others
                     log.error("reload: model %s: %s", name, exc, extra={"model": name})
                     report.errors[name] = str(exc)
                     continue

@@ -206,13 +206,13 @@ def _child_main(conn: Connection) -> None:
             reply: tuple[str, int, Any] = ("ok", call_id, getattr(plugin, hook)(*args))
         except RouterError as exc:  # InputError and the like travel as they are
             reply = ("error", call_id, exc)
-        except Exception as exc:  # a plugin bug: its type, message and where, as a ModelError
+        except Exception as exc:  # noqa: BLE001  # a plugin bug: its type, message and where, as a ModelError
             where = traceback.format_exc(limit=3)[-800:]
             reply = ("error", call_id, RuntimeError(f"{type(exc).__name__}: {exc} (in the instance process: {where})"))
         try:
             with lock:
                 _send(conn, reply)
-        except Exception as exc:  # an unpicklable result
+        except Exception as exc:  # noqa: BLE001  # an unpicklable result
             with lock:
                 _send(conn, ("error", call_id, ModelError(f"the result of {hook} cannot leave the process: {exc}")))
 

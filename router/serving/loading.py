@@ -126,7 +126,7 @@ async def _time_batches(deployment: Deployment, instance: ModelInstance, sizes: 
             begun = clock()
             try:
                 plugin.predict_batch([item] * size)
-            except Exception as exc:  # best effort: real batches will teach the estimate instead
+            except Exception as exc:  # noqa: BLE001  # best effort: real batches will teach the estimate instead
                 log.info("model %s instance %d: timing a batch of %d failed (%s: %s); the first real batches "
                          "will be timed instead", deployment.name, instance.index, size, type(exc).__name__, exc,
                          extra={"model": deployment.name})

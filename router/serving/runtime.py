@@ -131,7 +131,7 @@ class Runtime:
                 probe = self._probe_factory(device, config.probe)
                 scheduler = DeviceScheduler(device, config, probe, clock=self.clock)
                 scheduler.resolve_budget()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  # a device that cannot be budgeted fails its own models only
                 self._device_errors[device] = f"{type(exc).__name__}: {exc}"
                 log.error("device %s unavailable: %s", device, exc)
                 continue

@@ -139,7 +139,7 @@ def test_unknown_plugin_fails_before_the_port_opens(tmp_path: Path) -> None:
     port = free_port()
     result = subprocess.run(
         [sys.executable, "-m", "router", "serve", "--config", str(config), "--port", str(port)],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=False,  # its exit status is the point
     )
     assert result.returncode == 2
     assert "models.m.plugin" in result.stderr and "installed plugins: " in result.stderr

@@ -42,10 +42,10 @@ def burst(server: RouterProcess, count: int = 64) -> tuple[list[int], int]:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    with httpx.Client(base_url=server.url, timeout=120, limits=httpx.Limits(max_connections=count)) as client:
-        with ThreadPoolExecutor(count) as pool:
-            statuses = list(pool.map(lambda _: client.post("/models/echo/predict", content=BODY, headers={
-                "content-type": "application/octet-stream"}).status_code, range(count)))
+    with httpx.Client(base_url=server.url, timeout=120, limits=httpx.Limits(max_connections=count)) as client, \
+            ThreadPoolExecutor(count) as pool:
+        statuses = list(pool.map(lambda _: client.post("/models/echo/predict", content=BODY, headers={
+            "content-type": "application/octet-stream"}).status_code, range(count)))
     done.set()
     sampler.join()
     return statuses, peak
