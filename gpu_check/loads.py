@@ -7,8 +7,9 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -16,7 +17,7 @@ from benchmarks.workloads import REPO, ultralytics_asset
 from gpu_check.results import part_table as table
 
 __all__ = ["GIB", "NO_CUDA", "PHOTO", "body_target", "cuda_available", "drive", "gib", "merge", "metric", "photo",
-           "prepare_store", "skipped", "stop_on_sigterm", "table"]
+           "prepare_store", "run_part", "skipped", "stop_on_sigterm", "table"]
 
 PHOTO = "bus.jpg"  # ultralytics' 810x1080 street photo: a real JPEG to decode
 RESNET_SEED = 0
@@ -88,7 +89,7 @@ def drive(url: str, targets: Sequence[str], seconds: float, processes: int, *, c
     base = [sys.executable, "-m", "benchmarks.loadgen", "--url", url, "--duration", str(seconds),
             "--timeout", str(timeout_s), "--per-target", *(f"--target={t}" for t in targets)]
     if concurrency is not None:
-        mode = ["--concurrency", str(concurrency), "--cycle"]
+        mode = ["--concurrency", str(concurrency)]  # worker i to target i mod n: each model its own workers
     elif rates is not None:
         mode = ["--rates", ",".join(f"{rate / processes:.3f}" for rate in rates)]
     else:
@@ -112,6 +113,31 @@ def metric(text: str, name: str, device: str) -> float:
     prefix = f'{name}{{device="{device}"}} '
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)]
     return values[0] if values else 0.0
+
+
+Rows = list[tuple[str, str, str]]
+
+
+def run_part(name: str, out: Path, device: str, store: Path | None, checks: Iterable[str],
+             measure: Callable[[Path, str], Rows]) -> int:
+    """A GPU part's frame: without CUDA (and not asked to run on the CPU) its checks skipped; else
+    the store prepared, `measure(store, arch)` run, a failure of it one FAIL row, and a row with the
+    part's time. Writes OUT/NAME.md; the exit status."""
+    out.mkdir(parents=True, exist_ok=True)
+    stop_on_sigterm()
+    on_cpu = device == "cpu"
+    if not on_cpu and not cuda_available():
+        (out / f"{name}.md").write_text(skipped(checks, NO_CUDA), encoding="utf-8")
+        return 0
+    arch = "resnet18" if on_cpu else "resnet50"
+    started = time.monotonic()
+    try:
+        rows = measure(prepare_store((store or out / "store").resolve(), archs=(arch,)), arch)
+    except RuntimeError as exc:
+        rows = [(f"{name} runs", "FAIL", str(exc)[-300:])]
+    rows.append((f"{name} part", "info", f"{time.monotonic() - started:.0f} s in all"))
+    (out / f"{name}.md").write_text(table(rows), encoding="utf-8")
+    return 1 if any(result == "FAIL" for _, result, _ in rows) else 0
 
 
 def body_target(path: str, body: Path, content_type: str = "image/jpeg") -> str:

@@ -5,7 +5,7 @@ through ONNX Runtime's CUDA provider where the installed onnxruntime offers it. 
 several load generator processes; ResNet-50's figures beside Triton's published 6,127 img/s on an
 A100 (a reference, not measured side by side). Writes OUT/throughput.md.
 
-    python -m gpu_check.throughput OUT [--store DIR] [--seconds 8] [--device cuda:0]
+    python -m gpu_check.throughput OUT [--store DIR] [--seconds 6] [--device cuda:0]
 
 Without CUDA it writes its rows as skipped; `--device cpu` runs the same code on the CPU (resnet18,
 short runs: how the code is exercised where there is no GPU).
@@ -17,14 +17,13 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks.systems import serve_router
 from benchmarks.workloads import REPO
-from gpu_check.loads import NO_CUDA, body_target, cuda_available, drive, photo, prepare_store, skipped, stop_on_sigterm, table
+from gpu_check.loads import body_target, drive, photo, run_part
 
 __all__ = ["TRITON_RESNET50_A100", "Variant", "fleet_yaml", "throughput_rows", "variants"]
 
@@ -126,7 +125,7 @@ def measure(store: Path, out: Path, device: str, arch: str, seconds: float, proc
     with serve_router(fleet_yaml(store, device, chosen), out, timeout_s=240) as server:
         for variant in chosen:
             target = body_target(f"/models/{variant.name}/predict", image)
-            drive(server.url, [target], min(2.0, seconds), processes, concurrency=concurrency)  # warm-up
+            drive(server.url, [target], min(1.5, seconds), processes, concurrency=concurrency)  # warm-up
             report = drive(server.url, [target], seconds, processes, concurrency=concurrency)
             (out / f"{variant.name}.json").write_text(json.dumps(report, indent=2), encoding="utf-8")
             rows.append(throughput_rows(variant.label, report, variant.resnet, clients))
@@ -138,29 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--store", type=Path, help="default: OUT/store")
     parser.add_argument("--device", default="cuda:0")
-    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--processes", type=int, default=4)
     parser.add_argument("--concurrency", type=int, default=48)
     parser.add_argument("--no-onnx", action="store_true", help="leave out the ONNX Runtime runs (and their export)")
     args = parser.parse_args(argv)
     out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    stop_on_sigterm()
-    on_cpu = args.device == "cpu"
-    if not on_cpu and not cuda_available():
-        checks = [v.label for v in variants("cuda:0", "resnet50", onnx=True)]
-        (out / "throughput.md").write_text(skipped(checks, NO_CUDA), encoding="utf-8")
-        return 0
-    arch = "resnet18" if on_cpu else "resnet50"
-    started = time.monotonic()
-    store = prepare_store((args.store or out / "store").resolve(), archs=(arch,))
-    try:
-        rows = measure(store, out, args.device, arch, args.seconds, args.processes, args.concurrency, not args.no_onnx)
-    except RuntimeError as exc:
-        rows = [("throughput runs", "FAIL", str(exc)[-300:])]
-    rows.append(("throughput part", "info", f"{time.monotonic() - started:.0f} s in all"))
-    (out / "throughput.md").write_text(table(rows), encoding="utf-8")
-    return 1 if any(result == "FAIL" for _, result, _ in rows) else 0
+    checks = [v.label for v in variants("cuda:0", "resnet50", onnx=True)]
+    return run_part("throughput", out, args.device, args.store, checks, lambda store, arch: measure(
+        store, out, args.device, arch, args.seconds, args.processes, args.concurrency, not args.no_onnx))
 
 
 if __name__ == "__main__":

@@ -259,6 +259,13 @@ def test_a_surge_fails_on_a_lost_request_an_out_of_memory_or_a_reading_over_the_
                                                      "2 out-of-memory lines in the router's log")
     assert surge_of({"200": 10}, peaks=(11 * 2**30, 3 * 2**30))[3][1] == "FAIL"
     assert surge_of({"200": 10}, peaks=(11 * 2**30, 3 * 2**30), cuda=False)[3][1] == "info"  # RSS, not the card
+    assert surge_of({"200": 10}, peaks=(0, 0))[3] == ("NVML within the budget", "FAIL", "NVML gave no reading")
+
+
+def test_a_container_hiding_the_routers_process_from_nvml_leaves_its_peak_unknown() -> None:
+    row = surge_of({"200": 10}, peaks=(9 * 2**30, 0))[4]
+    hidden = "NVML listed no memory for the router's process (a container may hide it)"
+    assert row == ("ledger vs NVML under load", "info", f"ledger peak 2.00 GiB, {hidden}")
 
 
 def test_throughput_rows_set_resnet_beside_tritons_figure() -> None:
