@@ -1,10 +1,12 @@
-"""The surge part of the GPU check: a two-model fleet (ResNet-50 and YOLOv8n) on one GPU under an
-NVML-measured budget a few GiB above what the card used before the router started. First each
-model's capacity, closed loop; then five times that rate, open loop, for 10 s. Checks: every
-request answered 200 or shed with 503 or 504 (nothing lost, no transport error), no CUDA out-of-memory in
-the router's log, NVML's reading of the whole card never above the budget; figures: capacity,
-answered and shed, latency, how often admission paused, and the ledger's peak beside NVML's peak
-for the router process (the ledger against NVML under load). Writes OUT/surge.md.
+"""The surge part of the GPU check (written, not yet run on a GPU).
+
+A two-model fleet (ResNet-50 and YOLOv8n) on one GPU under an NVML-measured budget a few GiB above
+what the card used before the router started. First each model's capacity, closed loop; then five
+times that rate, open loop, for 10 s. Checks: every request answered 200 or shed with 503 or 504
+(nothing lost, no transport error), no CUDA out-of-memory in the router's log, NVML's reading of the
+whole card never above the budget; figures: capacity, answered and shed, latency, how often
+admission paused, and the ledger's peak beside NVML's peak for the router process (the ledger
+against NVML under load). Writes OUT/surge.md.
 
     python -m gpu_check.surge OUT [--store DIR] [--headroom-gib 4] [--device cuda:0]
 

@@ -1,9 +1,11 @@
-"""The throughput part of the GPU check: ResNet-50 and YOLOv8n through the router, from JPEG bytes
-over HTTP to the answer, on a real photo (ultralytics' bus.jpg, 810x1080). Each model as it ships
-(eager PyTorch, the JPEG decoded on the host), with nvJPEG decode on the device (gpu_decode), and
-through ONNX Runtime's CUDA provider where the installed onnxruntime offers it. Closed loop from
-several load generator processes; ResNet-50's figures beside Triton's published 6,127 img/s on an
-A100 (a reference, not measured side by side). Writes OUT/throughput.md.
+"""The throughput part of the GPU check (written, not yet run on a GPU).
+
+ResNet-50 and YOLOv8n through the router, from JPEG bytes over HTTP to the answer, on a real photo
+(ultralytics' bus.jpg, 810x1080). Each model as it ships (eager PyTorch, the JPEG decoded on the
+host), with nvJPEG decode on the device (gpu_decode), and through ONNX Runtime's CUDA provider where
+the installed onnxruntime offers it. Closed loop from several load generator processes; ResNet-50's
+figures beside Triton's published 6,127 img/s on an A100 (a reference, not measured side by side).
+Writes OUT/throughput.md.
 
     python -m gpu_check.throughput OUT [--store DIR] [--seconds 6] [--device cuda:0]
 
