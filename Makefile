@@ -24,8 +24,18 @@ test-tools:
 check: $(VENV)/.serve
 	$(BIN)/model-router check --config $(CONFIG)
 
+# On a GPU machine with this .venv (no wheelhouse): GPU_WHEELS= keeps gpu-check.sh off .whl/.
 gpu-check: $(VENV)/.test $(VENV)/.ray
-	bash scripts/gpu-check.sh
+	GPU_WHEELS= PYTHON=$(BIN)/python bash scripts/gpu-check.sh
+
+# A lent GPU (docs/gpu.md): the wheels its check needs and the machine lacks, into .whl/ (fails above 60 MiB);
+# and the whole check rehearsed here, in a bare environment holding only the machine's packages.
+.PHONY: gpu-wheels gpu-rehearsal
+gpu-wheels: $(VENV)/.test
+	$(BIN)/python -m gpu_check.wheelhouse --out .whl
+
+gpu-rehearsal: $(VENV)/.test
+	$(BIN)/python -m gpu_check.rehearsal --wheelhouse .whl
 
 # Every contender on every workload, about 7 minutes on 2 cores; see benchmarks/run.py.
 bench: $(VENV)/.test $(VENV)/.ray $(VENV)/.bench $(DEMO) test-tools
