@@ -85,7 +85,7 @@ async def _payload(request: Request[Any, Any, Any]) -> Payload:
 async def predict(name: str, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Accepts a multipart field `file` or a raw `image/*` body. Headers: X-Timeout-Ms, X-Priority."""
     runtime = runtime_of(request)
-    trace = request_phases(request.scope, "read body", received_at(request) or time.monotonic())
+    trace = request_phases(request.scope, "receive", received_at(request) or time.monotonic())
     priority = priority_header(request.headers.get("x-priority"))
     timeout_ms = number_header("X-Timeout-Ms", request.headers.get("x-timeout-ms"))
     # 404, 503 and header errors before the body is read: under a surge a refusal costs little.
@@ -100,7 +100,7 @@ async def predict(name: str, request: Request[Any, Any, Any]) -> Response[dict[s
                                         request_id=request_id_var.get(), received_at=received_at(request), trace=trace)
     )
     if trace is not None:
-        trace.enter("respond", time.monotonic())
+        trace.enter("respond")  # from the runtime's answer
     request.scope["state"]["access"].update(
         queue_wait_ms=round(answer.queue_wait_s * 1000, 3), batch_size=answer.batch_size,
         execution_ms=round(answer.execution_s * 1000, 3), memory_delta_bytes=answer.memory_delta_bytes,

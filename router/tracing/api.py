@@ -1,8 +1,8 @@
 """What the request path calls to trace a request: plain values and a few small protocols.
 
 A request's trace is its server span (`RequestSpan`, started by the front that received the
-request) and the phases of its path (`Phases`): read body, admission, wait for load, preprocess,
-queue wait, execute, postprocess, respond. A phase is a span built when it ends, from timestamps
+request) and the phases of its path (`Phases`): receive (routing, header checks, the body),
+admission, wait for load, preprocess, queue wait, execute, postprocess, respond. A phase is a span built when it ends, from timestamps
 the path records anyway (`time.monotonic`, one clock for every process on a Linux host, so a
 timestamp taken where the batch ran means the same in the front). What travels with a request to
 where batches run is a `SpanRef`, a value, never a live span: the batch span (`BatchSpan`) links
@@ -46,8 +46,11 @@ class Phases(Protocol):
     @property
     def ref(self) -> SpanRef: ...  # the request span the phases belong to: what its batch links to
 
-    def enter(self, phase: str, at: float, *, link: SpanRef | None = None, **attributes: AttributeValue) -> None:
-        """End the open phase at `at`, if one is open, and open `phase` from `at`."""
+    def enter(self, phase: str, at: float | None = None, *, link: SpanRef | None = None,
+              **attributes: AttributeValue) -> None:
+        """End the open phase at `at`, if one is open, and open `phase` from `at`. Without `at`:
+        now if a phase is open, else where the last one ended (so that what follows the runtime's
+        part starts at its end)."""
 
     def leave(self, at: float, error: BaseException | None = None) -> None:
         """End the open phase at `at`, failed with `error` if given; none is open after."""

@@ -135,13 +135,17 @@ class OtelTracing:
 class OtelPhases:
     """A request's path: the open phase is a name and a start; its span is made when it ends."""
 
-    __slots__ = ("_item", "_open", "_parent", "_tracing", "ref")
+    __slots__ = ("_ended", "_item", "_open", "_parent", "_tracing", "ref")
 
     def __init__(self, tracing: OtelTracing, parent: Context, ref: SpanRef, item: int | None) -> None:
         self._tracing, self._parent, self.ref, self._item = tracing, parent, ref, item
         self._open: tuple[str, float, SpanRef | None, dict[str, AttributeValue]] | None = None
+        self._ended = time.monotonic()
 
-    def enter(self, phase: str, at: float, *, link: SpanRef | None = None, **attributes: AttributeValue) -> None:
+    def enter(self, phase: str, at: float | None = None, *, link: SpanRef | None = None,
+              **attributes: AttributeValue) -> None:
+        if at is None:
+            at = time.monotonic() if self._open is not None else self._ended
         if self._open is not None:
             self._close(at, None)
         self._open = (phase, at, link, attributes)
@@ -153,7 +157,7 @@ class OtelPhases:
     def _close(self, at: float, error: BaseException | None) -> None:
         assert self._open is not None
         phase, start, link, attributes = self._open
-        self._open = None
+        self._open, self._ended = None, at
         if self._item is not None:
             attributes["router.item"] = self._item
         tracing = self._tracing
@@ -194,8 +198,8 @@ class OtelRequestSpan:
         self._error = error
 
     def end(self, status: int, at: float, route: str | None = None) -> None:
-        for path in self._paths:  # the phase still open (respond) ends with the request
-            path.leave(at)
+        for path in self._paths:  # a phase still open ends with the request (respond; or the one that failed)
+            path.leave(at, self._error)
         span = self._span
         if self.recording:
             if route:

@@ -7,7 +7,10 @@ batches the scripted plugin records (time.monotonic, one clock for the host)."""
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import RouterProcess, read_records, serve
+from tests.conftest import REPO, RouterProcess, read_records, serve
 from tests.otlp_receiver import SERVER, STATUS_ERROR, ReceivedSpan, Receiver, receiver
 
 pytestmark = pytest.mark.e2e
@@ -236,3 +239,23 @@ def test_a_503_is_an_error_span_with_its_reason_whoever_answers_it(server: Route
     assert span.name == "POST /v2/models/{name}/infer"
     assert span.status_code == STATUS_ERROR and "was unloaded by an operator" in span.status_message
     assert [p.name for p in children(otlp.spans, span)] == ["receive"]  # refused while it was read
+
+
+def test_without_opentelemetry_installed_the_router_serves_untraced_and_refuses_an_endpoint(tmp_path: Path) -> None:
+    """The `tracing` extra is optional: absent, the router serves as ever; asked to export, it
+    refuses to start and names the extra."""
+    blocked = tmp_path / "blocked" / "opentelemetry"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text('raise ImportError("OpenTelemetry is not installed here (the test hides it)")\n')
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(blocked.parent), os.environ.get("PYTHONPATH")])),
+           "MODEL_ROUTER_LOG_FORMAT": "json"}
+    fleet = "models:\n  plain: {plugin: scripted, warmup: {enabled: false}}\n"
+    with serve(tmp_path, fleet, env=env) as server:
+        answer = send(server, "plain", "untraced")
+        assert answer.status == 200 and "traceparent" not in answer.headers
+        assert "trace_id" not in server.access_lines("untraced")[0]
+    done = subprocess.run([sys.executable, "-m", "router", "serve", "--config", str(tmp_path / "fleet.yaml")], cwd=REPO,
+                          env={**os.environ, **env, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"},
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT is set" in done.stderr and "pip install 'model-router[tracing]'" in done.stderr

@@ -113,14 +113,14 @@ async def infer(name: str, request: Request[Any, Any, Any], version: str | None 
     """JSON tensors or Triton's binary tensor data extension. Parameters: `timeout` (us), `priority` (1 highest).
     A request is admitted or refused as a whole: its item count against the model's queue before any item is queued."""
     runtime = runtime_of(request)
-    trace = request_phases(request.scope, "read body", received_at(request) or time.monotonic())
+    trace = request_phases(request.scope, "receive", received_at(request) or time.monotonic())
     model = _model(request, name, version)  # 404 before reading the body
     runtime.precheck(name, received_at=received_at(request))  # draining, not serving, full: before the body
     body = _decompress(await request.body(), request.headers.get("content-encoding"), _body_limit(request))
     work = _decode_and_run(request, runtime, model, body, trace)  # a client gone mid-decode stops it before submitting
     decoded, outputs, answers = await run_unless_disconnected(request.receive, work)
     if trace is not None:
-        trace.enter("respond", time.monotonic())
+        trace.enter("respond")  # from the runtime's answer
     content, header_length = encode_response(name, decoded, outputs, [answer.output for answer in answers])
     if header_length is None:
         return Response(content, media_type=MediaType.JSON)
@@ -150,11 +150,11 @@ async def _decode_and_run(
 
 
 def _item_traces(request: Request[Any, Any, Any], trace: Phases, items: int) -> list[Phases | None]:
-    """The phases of each item's path: the request's own path for one item; for many, the request's
-    ends here and each item has its own under the request's span (they run side by side)."""
+    """The phases of each item's path: the request's own path for one item; for many, each item has
+    its own under the request's span (they run side by side), while the request's is in "items"."""
     if items == 1:
         return [trace]
-    trace.leave(time.monotonic())
+    trace.enter("items", time.monotonic())
     span = request_trace(request.scope)
     assert span is not None
     return [span.phases(item=index) for index in range(items)]
