@@ -15,7 +15,7 @@ from router.errors import ConfigError
 from router.http.auth import AccessPolicy, policy_from_settings
 from router.serving.plan import FleetPlan, load_plan
 from router.serving.registry import PluginRegistry
-from router.tracing.api import tracing_from_environment
+from router.tracing import tracing_from_environment
 
 __all__ = ["main"]
 

@@ -19,7 +19,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-__all__ = ["Receiver", "ReceivedLink", "ReceivedSpan", "receiver"]
+__all__ = ["ReceivedLink", "ReceivedSpan", "Receiver", "receiver"]
 
 SERVER = 2  # Span.SpanKind.SPAN_KIND_SERVER
 STATUS_ERROR = 2  # Status.StatusCode.STATUS_CODE_ERROR
@@ -103,7 +103,7 @@ class Receiver:
 
 def _handler(into: Receiver) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("content-length", "0")))
             encoding = (self.headers.get("content-encoding") or "").lower()
             if encoding == "gzip":
@@ -121,7 +121,7 @@ def _handler(into: Receiver) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(answer)
 
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
+        def log_message(self, format: str, *args: Any) -> None:
             pass
 
     return Handler

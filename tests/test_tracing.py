@@ -4,6 +4,7 @@ real SDK exporting to memory, and the runtime recording a request's phases and i
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import os
@@ -277,7 +278,7 @@ async def test_the_runtime_records_each_phase_and_the_batch_links_every_request_
         assert execute.attributes is not None and execute.attributes["router.batch.size"] == 3
         assert batch.context is not None and [link.context.span_id for link in execute.links] == [batch.context.span_id]
         assert batch.start_time == execute.start_time and execute.end_time <= batch.end_time  # type: ignore[operator]
-        for before, after in zip(phases, phases[1:]):
+        for before, after in itertools.pairwise(phases):
             assert before.end_time == after.start_time
 
 

@@ -8,20 +8,18 @@ timestamp taken where the batch ran means the same in the front). What travels w
 where batches run is a `SpanRef`, a value, never a live span: the batch span (`BatchSpan`) links
 to every request it served from their refs, and each request's execute phase links back to it.
 
-Tracing is on when the environment says so, the OpenTelemetry way (`tracing_from_environment`);
-off, nothing here is built and the request path checks one None.
+Tracing is on when the environment says so, the OpenTelemetry way
+(`router.tracing.environment.tracing_from_environment`); off, nothing here is built and the
+request path checks one None.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from router.errors import ConfigError
-
-__all__ = ["AttributeValue", "BatchSpan", "Phases", "RequestSpan", "SpanRef", "Tracing", "tracing_from_environment",
+__all__ = ["ENDPOINT_VARIABLES", "AttributeValue", "BatchSpan", "Phases", "RequestSpan", "SpanRef", "Tracing",
            "within_phase"]
 
 T = TypeVar("T")
@@ -29,7 +27,6 @@ AttributeValue = str | bool | int | float
 Headers = Sequence[tuple[bytes, bytes]]  # ASGI's: lower-case names, as uvicorn gives them
 #: Variables whose presence turns export on (OpenTelemetry's own convention).
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
-PROTOCOL_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,31 +114,3 @@ class Tracing(Protocol):
 
     def shutdown(self) -> None:
         """Export what is pending and stop (at the end of the app's lifespan)."""
-
-
-def tracing_from_environment() -> Tracing | None:
-    """Tracing as the OTEL_* variables ask, or None: on once an OTLP endpoint is set, unless
-    OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none. The sampler, resource, headers, batching
-    and propagators are read by the OpenTelemetry SDK itself. ConfigError for what cannot be
-    served: an exporter or protocol other than OTLP over HTTP, or the `tracing` extra missing."""
-    env = os.environ
-    if not any(env.get(name, "").strip() for name in ENDPOINT_VARIABLES):
-        return None
-    exporter = env.get("OTEL_TRACES_EXPORTER", "otlp").strip().lower()
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or exporter == "none":
-        return None
-    if exporter != "otlp":
-        raise ConfigError(f"environment: OTEL_TRACES_EXPORTER={exporter!r} is not supported; accepted: otlp, none")
-    for name in PROTOCOL_VARIABLES:
-        protocol = env.get(name, "").strip().lower()
-        if protocol and protocol != "http/protobuf":
-            raise ConfigError(f"environment: {name}={protocol!r} is not supported; accepted: http/protobuf "
-                              "(OTLP over HTTP)")
-        if protocol:
-            break
-    try:
-        from router.tracing.otel import OtelTracing
-    except ImportError as exc:
-        raise ConfigError(f"environment: {next(n for n in ENDPOINT_VARIABLES if env.get(n))} is set, but tracing "
-                          f"needs the OpenTelemetry SDK: pip install 'model-router[tracing]' ({exc})") from None
-    return OtelTracing.from_environment()

@@ -6,6 +6,7 @@ batches the scripted plugin records (time.monotonic, one clock for the host)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import secrets
@@ -167,7 +168,7 @@ def check_request_trace(spans: list[ReceivedSpan], span: ReceivedSpan, sent: Sen
     phases = children(spans, span)
     assert [p.name for p in phases] == PHASES
     assert phases[0].start_ns == span.start_ns and phases[-1].end_ns == span.end_ns
-    for before, after in zip(phases, phases[1:]):
+    for before, after in itertools.pairwise(phases):
         assert before.end_ns == after.start_ns, (before.name, after.name)
     assert abs(sum(p.duration_ns for p in phases) - span.duration_ns) <= 1_000
     assert all(p.status_code != STATUS_ERROR for p in [span, *phases])
