@@ -140,3 +140,27 @@ def receiver() -> Iterator[Receiver]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def text_tree(spans: list[ReceivedSpan], root: ReceivedSpan) -> str:
+    """One request's trace as text: its server span, each phase under it with its times from the
+    request's start, and the batch span its execute phase links to."""
+    by_id = {span.span_id: span for span in spans}
+
+    def row(span: ReceivedSpan, prefix: str, name: str) -> str:
+        start, end = (span.start_ns - root.start_ns) / 1e6, (span.end_ns - root.start_ns) / 1e6
+        status = f"  ERROR: {span.status_message}" if span.status_code == STATUS_ERROR else ""
+        return f"{prefix}{name:<34}{start:9.3f} → {end:9.3f} ms  {end - start:9.3f} ms{status}"
+
+    lines = [row(root, "", root.name), f"    trace {root.trace_id}, parent {root.parent_id or '(none: a root)'}"]
+    phases = sorted((s for s in spans if s.parent_id == root.span_id), key=lambda s: s.start_ns)
+    for index, phase in enumerate(phases):
+        lines.append(row(phase, "└─ " if index == len(phases) - 1 else "├─ ", phase.name))
+        for link in phase.links:
+            batch = by_id.get(link.span_id)
+            if batch is None:
+                continue
+            shown = ", ".join(f"{k.removeprefix('router.')}={v}" for k, v in sorted(batch.attributes.items()))
+            served = ", ".join(str(other.attributes.get("router.request_id")) for other in batch.links)
+            lines += [row(batch, "│    ⇢ ", f"{batch.name} (linked)"), f"│        {shown}", f"│        served: {served}"]
+    return "\n".join(lines)
