@@ -146,6 +146,7 @@ def tracing_overhead(scratch: Path, seconds: float, rounds: int, warm_s: float =
             "median_rps": {k: round(statistics.median(v), 1) for k, v in rps.items()},
             "median_cpu_ms_per_request": {k: round(statistics.median(v), 4) for k, v in cpu_ms.items()},
             "rps_ratio_to_off": _ratios(rps, "off"), "cpu_ratio_to_off": _ratios(cpu_ms, "off"),
+            "cpu_off_over_before": _ratios(cpu_ms, "before").get("off") if "before" in cpu_ms else None,
             "answered": answered, "requests_traced": received, "spans_received": spans}
 
 
