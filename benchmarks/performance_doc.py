@@ -262,7 +262,10 @@ def _tracing(results: Mapping[str, Any]) -> list[str]:
              " `benchmarks/tracing.py`). CPU per request is the figure to read: throughput on a shared machine"
              " follows whatever else runs on it."), "",
             *_table(["server", "req/s by round", "router CPU ms per request by round", "CPU ÷ off (median)",
-                     "requests traced"], rows)]
+                     "requests traced"], rows),
+            *([(f"The tracing code alone, in one process (`span_costs`): {_num(costs.get('unsampled'))} µs of CPU for an"
+                f" unsampled request, {_num(costs.get('sampled'))} µs for a sampled one, its spans encoded as the"
+                " exporter sends them."), ""] if (costs := t.get("span_cost_us_per_request")) else [])]
 
 
 def render(results: Mapping[str, Any]) -> str:

@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -111,6 +111,55 @@ def _ratios(values: dict[str, list[float]], over: str) -> dict[str, float]:
             for label, figures in values.items() if label != over}
 
 
+def span_costs(requests: int = 4000, batch: int = 8) -> dict[str, float]:
+    """CPU microseconds per request of the tracing code alone, in this process: what the router does
+    for an unsampled request (sampling decision, trace id, `traceparent` out) and for a sampled one
+    (its server span, eight phases, its share of a batch span, encoded as the OTLP exporter does)."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+    from opentelemetry.sdk.trace.sampling import DEFAULT_ON, ParentBased, TraceIdRatioBased
+
+    from router.tracing.otel import BatchSampler, OtelTracing
+
+    class Encoding(SpanExporter):
+        def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+            encode_spans(spans).SerializeToString()
+            return SpanExportResult.SUCCESS
+
+    headers = [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"), (b"content-length", b"15")]
+    costs: dict[str, float] = {}
+    for label, sampler in (("unsampled", ParentBased(TraceIdRatioBased(0.0))), ("sampled", DEFAULT_ON)):
+        provider = TracerProvider(sampler=BatchSampler(sampler), shutdown_on_exit=False)
+        provider.add_span_processor(BatchSpanProcessor(Encoding(), max_queue_size=1 << 20))
+        tracing = OtelTracing(provider)
+        started = time.process_time()  # every thread of the process: the processor's exporting one too
+        for first in range(0, requests, batch):
+            spans = [_one_request(tracing, headers) for _ in range(min(batch, requests - first))]
+            refs = [(span.ref, "r") for span in spans if span.recording]
+            if refs:
+                tracing.start_batch(refs, time.monotonic(), {"router.batch.size": len(refs)}).end(time.monotonic())
+        provider.force_flush()
+        costs[label] = round((time.process_time() - started) * 1e6 / requests, 1)
+        provider.shutdown()
+    return costs
+
+
+def _one_request(tracing: Any, headers: list[tuple[bytes, bytes]]) -> Any:
+    """What the middleware, the handler and the runtime do for one traced request."""
+    span = tracing.start_request("POST", "/models/noop/predict", headers, time.monotonic())
+    phases = span.phases()
+    if phases is not None:
+        for phase in ("receive", "admission", "preprocess", "queue wait", "execute", "postprocess"):
+            phases.enter(phase, time.monotonic())
+        phases.leave(time.monotonic())
+        phases.enter("respond")
+        span.describe(**{"router.request_id": "r", "router.model": "noop", "router.batch_size": 8})
+    span.response_headers()
+    span.end(200, time.monotonic(), "/models/{name:str}/predict")
+    return span
+
+
 def tracing_overhead(scratch: Path, seconds: float, rounds: int, warm_s: float = 2.0) -> dict[str, Any]:
     """Throughput and the server's CPU per request for each contender, round by round, with their ratios."""
     from benchmarks.run import closed  # the harness's load generator (run.py imports this module in turn)
@@ -147,7 +196,8 @@ def tracing_overhead(scratch: Path, seconds: float, rounds: int, warm_s: float =
             "median_cpu_ms_per_request": {k: round(statistics.median(v), 4) for k, v in cpu_ms.items()},
             "rps_ratio_to_off": _ratios(rps, "off"), "cpu_ratio_to_off": _ratios(cpu_ms, "off"),
             "cpu_off_over_before": _ratios(cpu_ms, "before").get("off") if "before" in cpu_ms else None,
-            "answered": answered, "requests_traced": received, "spans_received": spans}
+            "answered": answered, "requests_traced": received, "spans_received": spans,
+            "span_cost_us_per_request": span_costs()}
 
 
 def _exported(otlp: Receiver, expected: int, quiet_s: float = 6.0) -> dict[str, int]:

@@ -85,7 +85,7 @@ async def _payload(request: Request[Any, Any, Any]) -> Payload:
 async def predict(name: str, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Accepts a multipart field `file` or a raw `image/*` body. Headers: X-Timeout-Ms, X-Priority."""
     runtime = runtime_of(request)
-    trace = request_phases(request.scope, "receive", received_at(request) or time.monotonic())
+    trace = request_phases(request.scope, "receive")
     priority = priority_header(request.headers.get("x-priority"))
     timeout_ms = number_header("X-Timeout-Ms", request.headers.get("x-timeout-ms"))
     # 404, 503 and header errors before the body is read: under a surge a refusal costs little.

@@ -40,12 +40,12 @@ def request_trace(scope: Scope) -> RequestSpan | None:
     return trace
 
 
-def request_phases(scope: Scope, phase: str, at: float) -> Phases | None:
-    """A sampled request's path of phases, `phase` open from `at`; None when it is not recorded."""
+def request_phases(scope: Scope, phase: str) -> Phases | None:
+    """A sampled request's path of phases, `phase` open from its arrival; None when it is not recorded."""
     trace = request_trace(scope)
     phases = trace.phases() if trace is not None else None
     if phases is not None:
-        phases.enter(phase, at)
+        phases.enter(phase, scope["state"]["received_at"])  # stamped with the trace, by the middleware
     return phases
 
 

@@ -113,7 +113,7 @@ async def infer(name: str, request: Request[Any, Any, Any], version: str | None 
     """JSON tensors or Triton's binary tensor data extension. Parameters: `timeout` (us), `priority` (1 highest).
     A request is admitted or refused as a whole: its item count against the model's queue before any item is queued."""
     runtime = runtime_of(request)
-    trace = request_phases(request.scope, "receive", received_at(request) or time.monotonic())
+    trace = request_phases(request.scope, "receive")
     model = _model(request, name, version)  # 404 before reading the body
     runtime.precheck(name, received_at=received_at(request))  # draining, not serving, full: before the body
     body = _decompress(await request.body(), request.headers.get("content-encoding"), _body_limit(request))
