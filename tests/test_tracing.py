@@ -18,7 +18,7 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, DEFAULT_ON, Sampler
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, DEFAULT_ON, ParentBased, Sampler, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, StatusCode
 
 from router.errors import ConfigError, DeadlineExceeded, ModelError, QueueFull
@@ -158,6 +158,15 @@ def test_an_unsampled_request_records_nothing_and_says_so_downstream() -> None:
     assert exporter.get_finished_spans() == ()
 
 
+def test_an_unsampled_request_of_no_callers_trace_has_no_trace_id_to_log_or_answer() -> None:
+    """Its trace exists nowhere: no id on its log lines, no traceparent back (and no cost for them)."""
+    tracing, exporter = in_memory(ParentBased(TraceIdRatioBased(0.0)))
+    span = tracing.start_request("POST", "/models/m/predict", [(b"host", b"x")], time.monotonic())
+    assert not span.recording and span.trace_id is None and span.response_headers() == []
+    span.end(503, time.monotonic())
+    assert exporter.get_finished_spans() == ()
+
+
 def test_phases_are_spans_that_tile_their_request_with_explicit_times() -> None:
     tracing, exporter = in_memory()
     t0 = time.monotonic() - 1.0  # phases are made after the fact, from recorded timestamps
@@ -232,6 +241,7 @@ def test_a_batch_that_served_a_sampled_request_is_sampled_whatever_the_sampler()
     tracing, exporter = in_memory(ALWAYS_OFF)
     assert not tracing.start_request("POST", "/p", [], time.monotonic()).recording  # ALWAYS_OFF decides requests
     sampled = in_memory()[0].start_request("POST", "/p", [], time.monotonic())  # sampled elsewhere (a front)
+    assert sampled.ref is not None
     batch = tracing.start_batch([(sampled.ref, "r1")], time.monotonic(), {"router.batch.size": 1})
     batch.end(time.monotonic(), "model 'm' failed")
     [span] = exporter.get_finished_spans()
@@ -265,6 +275,7 @@ async def test_the_runtime_records_each_phase_and_the_batch_links_every_request_
                                          for rid, span in spans.items()))
     for span in spans.values():
         span.end(200, time.monotonic())
+        assert span.ref is not None
     assert [a.batch_size for a in answers] == [3, 3, 3]
     [batch] = named(exporter, "batch")
     assert batch.attributes == {"router.model": "m", "router.instance": "m/0", "router.device": "cpu",

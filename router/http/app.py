@@ -193,7 +193,7 @@ def request_id_middleware(app: ASGIApp, *, body_timeout_s: float, memory: BodyMe
         token = request_id_var.set(request_id)
         mark_received(scope)
         trace = _start_trace(tracing, scope) if tracing is not None else None
-        trace_token = trace_id_var.set(trace.trace_id) if trace is not None else None
+        trace_token = trace_id_var.set(trace.trace_id) if trace is not None and trace.trace_id else None
         started = time.perf_counter()
         status = 0
 

@@ -94,6 +94,7 @@ class EarlyRefusals:
             trace.fail(exc)
             trace.end(exc.status_code, time.monotonic(), ROUTE)
             headers += trace.response_headers()
-            fields["trace_id"] = trace.trace_id
+            if trace.trace_id:
+                fields["trace_id"] = trace.trace_id
         access_line("POST", path, exc.status_code, time.monotonic() - started, fields, rid)
         return EarlyAnswer(exc.status_code, tuple(headers), body)

@@ -70,7 +70,7 @@ class RequestSpan(Protocol):
     """The server span of one request, from its arrival until its answer is written."""
 
     @property
-    def trace_id(self) -> str: ...  # 32 hex digits, for log lines
+    def trace_id(self) -> str | None: ...  # 32 hex digits, for log lines; None: its trace exists nowhere
     @property
     def recording(self) -> bool: ...  # sampled: its phases are recorded and exported
 
@@ -87,7 +87,7 @@ class RequestSpan(Protocol):
         """End the span at `at` with the HTTP `status` (5xx: error), named after `route` if known."""
 
     def response_headers(self) -> list[tuple[bytes, bytes]]:
-        """`traceparent` (and `tracestate`) of this span, for the answer."""
+        """`traceparent` (and `tracestate`) of this span, for the answer; none when `trace_id` is None."""
 
 
 class BatchSpan(Protocol):

@@ -116,7 +116,7 @@ class OtelTracing:
         parent = propagate.extract(headers, getter=_HEADERS)
         span = self.tracer.start_span(method, context=parent, kind=SpanKind.SERVER, start_time=self.ns(at),
                                       attributes={"http.request.method": method, "url.path": path})
-        return OtelRequestSpan(self, span, method)
+        return OtelRequestSpan(self, span, method, trace.get_current_span(parent).get_span_context().is_valid)
 
     def start_batch(self, requests: Sequence[tuple[SpanRef, str]], at: float,
                     attributes: Mapping[str, AttributeValue]) -> OtelBatchSpan:
@@ -169,24 +169,24 @@ class OtelPhases:
 
 
 class OtelRequestSpan:
-    """The server span of one request and the phase paths under it."""
+    """The server span of one request and the phase paths under it. Unsampled, it costs what it must:
+    the sampling decision, and a trace id and `traceparent` only for a caller that sent its own."""
 
-    __slots__ = ("_context", "_error", "_method", "_paths", "_span", "_tracing", "recording", "ref", "trace_id")
+    __slots__ = ("_error", "_method", "_paths", "_span", "_tracing", "recording", "ref", "trace_id")
 
-    def __init__(self, tracing: OtelTracing, span: trace.Span, method: str) -> None:
+    def __init__(self, tracing: OtelTracing, span: trace.Span, method: str, joined: bool) -> None:
         self._tracing, self._span, self._method = tracing, span, method
         context = span.get_span_context()
         self.recording = span.is_recording()
-        self.trace_id = f"{context.trace_id:032x}"
-        self.ref = SpanRef(context.trace_id, context.span_id)
-        self._context = trace.set_span_in_context(span)
+        self.trace_id = f"{context.trace_id:032x}" if self.recording or joined else None
+        self.ref = SpanRef(context.trace_id, context.span_id) if self.recording else None
         self._paths: list[OtelPhases] = []
         self._error: BaseException | None = None
 
     def phases(self, item: int | None = None) -> OtelPhases | None:
-        if not self.recording:
+        if self.ref is None:
             return None
-        path = OtelPhases(self._tracing, self._context, self.ref, item)
+        path = OtelPhases(self._tracing, trace.set_span_in_context(self._span), self.ref, item)
         self._paths.append(path)
         return path
 
@@ -214,8 +214,10 @@ class OtelRequestSpan:
         span.end(end_time=self._tracing.ns(at))
 
     def response_headers(self) -> list[tuple[bytes, bytes]]:
+        if self.trace_id is None:
+            return []
         carrier: dict[str, str] = {}
-        propagate.inject(carrier, context=self._context)
+        propagate.inject(carrier, context=trace.set_span_in_context(self._span))
         return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in carrier.items()]
 
 
