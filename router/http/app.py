@@ -226,7 +226,9 @@ def _start_trace(tracing: Tracing, scope: HTTPScope) -> RequestSpan | None:
     """The request's server span in the scope state, from its arrival; none for the polled paths."""
     if scope["path"] in QUIET_PATHS:
         return None
-    trace = tracing.start_request(scope["method"], scope["path"], list(scope["headers"]), scope["state"]["received_at"])
+    headers = scope["headers"]  # a list from uvicorn; ASGI allows any iterable
+    trace = tracing.start_request(scope["method"], scope["path"], headers if isinstance(headers, list) else list(headers),
+                                  scope["state"]["received_at"])
     scope["state"][TRACE] = trace
     return trace
 

@@ -46,8 +46,9 @@ models:
 PHASES = ["receive", "admission", "preprocess", "queue wait", "execute", "postprocess", "respond"]
 CONCURRENT = 6
 #: How much the client's latency may exceed the server span's: connecting, the client's own work,
-#: and the kernel, on a shared 2-core machine. The spans themselves must add up to within 1 us.
-CLIENT_MARGIN_NS = 1_000_000_000
+#: the kernel, and the server's loop reading the request before its app sees it, on a shared
+#: 2-core machine (1.2 s seen under load). The spans themselves must add up to within 1 us.
+CLIENT_MARGIN_NS = 5_000_000_000
 #: Converting one host's monotonic clock into epoch time in two processes: the offsets agree to
 #: well within this unless the wall clock is stepped between.
 CLOCK_NS = 2_000_000
@@ -260,3 +261,26 @@ def test_without_opentelemetry_installed_the_router_serves_untraced_and_refuses_
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stderr
     assert "OTEL_EXPORTER_OTLP_ENDPOINT is set" in done.stderr and "pip install 'model-router[tracing]'" in done.stderr
+
+
+def test_a_v2_request_of_many_items_has_a_path_per_item_under_its_span(server: RouterProcess, otlp: Receiver) -> None:
+    items = [json.dumps({"id": f"v2-{i}"}) for i in range(3)]
+    answer = httpx.post(f"{server.url}/v2/models/batched/infer", headers={"x-request-id": "v2-many"}, timeout=30,
+                        json={"inputs": [{"name": "JSON", "shape": [3], "datatype": "BYTES", "data": items}]})
+    assert answer.status_code == 200, answer.text
+    span = otlp.wait_for(lambda got: server_span(got, "v2-many"))
+    phases = children(otlp.wait_for(lambda got: got if len(children(got, span)) >= 4 + 3 * 5 else None), span)
+    main = [p for p in phases if "router.item" not in p.attributes]
+    assert [p.name for p in main] == ["receive", "decode", "items", "respond"]
+    assert main[0].start_ns == span.start_ns and main[-1].end_ns == span.end_ns
+    assert all(a.end_ns == b.start_ns for a, b in itertools.pairwise(main))
+    items_phase = main[2]
+    for index in range(3):
+        path = [p for p in phases if p.attributes.get("router.item") == index]
+        assert [p.name for p in path] == PHASES[1:-1]  # admission .. postprocess, side by side under "items"
+        assert items_phase.start_ns <= path[0].start_ns and path[-1].end_ns <= items_phase.end_ns
+        execute = next(p for p in path if p.name == "execute")
+        batch = next(s for s in otlp.spans if s.span_id == execute.links[0].span_id)
+        assert f"v2-many.{index}" in {link.attributes["router.request_id"] for link in batch.links}
+        assert all(link.span_id == span.span_id for link in batch.links if link.attributes["router.request_id"]
+                   .startswith("v2-many"))
