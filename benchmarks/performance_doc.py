@@ -251,7 +251,7 @@ def _tracing(results: Mapping[str, Any]) -> list[str]:
     t = results.get("tracing_overhead", {})
     if "cpu_ms_per_request" not in t:
         return []
-    labels = {"before": "before tracing (the router of " + str(t.get("base_commit") or "")[:9] + ")", "off": "tracing off",
+    labels = {"before": "before tracing (the router of " + str(t.get("base_commit") or "")[:7] + ")", "off": "tracing off",
               "1%": "tracing on, 1% sampled", "100%": "tracing on, every request sampled"}
     rows = [[labels.get(k, k), ", ".join(map(_num, t["rps"][k])), ", ".join(map(_num, cpu)),
              _num(t["cpu_ratio_to_off"].get(k, 1.0)), _num(t.get("requests_traced", {}).get(k))]

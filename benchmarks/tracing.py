@@ -194,7 +194,7 @@ def tracing_overhead(scratch: Path, seconds: float, rounds: int, warm_s: float =
                       f"{cpu_ms[label][-1]} ms CPU per request, {report['statuses']}", flush=True)
         received = _exported(otlp, answered["100%"])
         spans = len(otlp.spans)
-    return {"workload": "scripted no-op, batches of up to 8, no delay", "concurrency": CONCURRENCY,
+    return {"workload": "no-op model (the scripted plugin, batches of up to 8, no delay)", "concurrency": CONCURRENCY,
             "seconds": seconds, "rounds": rounds, "base_commit": BASE_COMMIT if "before" in rps else None,
             "rps": rps, "cpu_ms_per_request": cpu_ms,
             "median_rps": {k: round(statistics.median(v), 1) for k, v in rps.items()},
