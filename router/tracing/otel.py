@@ -113,7 +113,7 @@ class OtelTracing:
         return int(at * 1e9) + self._offset_ns
 
     def start_request(self, method: str, path: str, headers: Headers, at: float) -> OtelRequestSpan:
-        parent = propagate.extract(headers, getter=_HEADERS)
+        parent = propagate.extract(headers, context=Context(), getter=_HEADERS)  # the caller's, nothing ambient
         span = self.tracer.start_span(method, context=parent, kind=SpanKind.SERVER, start_time=self.ns(at),
                                       attributes={"http.request.method": method, "url.path": path})
         return OtelRequestSpan(self, span, method, trace.get_current_span(parent).get_span_context().is_valid)
@@ -121,7 +121,8 @@ class OtelTracing:
     def start_batch(self, requests: Sequence[tuple[SpanRef, str]], at: float,
                     attributes: Mapping[str, AttributeValue]) -> OtelBatchSpan:
         links = [Link(_linked(ref), {"router.request_id": request_id}) for ref, request_id in requests]
-        span = self.tracer.start_span("batch", start_time=self.ns(at), attributes=attributes, links=links)
+        span = self.tracer.start_span("batch", context=Context(), start_time=self.ns(at), attributes=attributes,
+                                      links=links)  # a root, always
         return OtelBatchSpan(self, span)
 
     def describe(self) -> str:
