@@ -247,13 +247,34 @@ def _page(results: Mapping[str, Any]) -> list[str]:
             " core."), ""]
 
 
+def _tracing(results: Mapping[str, Any]) -> list[str]:
+    t = results.get("tracing_overhead", {})
+    if "cpu_ms_per_request" not in t:
+        return []
+    labels = {"before": "before tracing (the router of " + str(t.get("base_commit") or "")[:7] + ")", "off": "tracing off",
+              "1%": "tracing on, 1% sampled", "100%": "tracing on, every request sampled"}
+    rows = [[labels.get(k, k), ", ".join(map(_num, t["rps"][k])), ", ".join(map(_num, cpu)),
+             _num(t["cpu_ratio_to_off"].get(k, 1.0)), _num(t.get("requests_traced", {}).get(k))]
+            for k, cpu in t["cpu_ms_per_request"].items()]
+    return ["## The cost of tracing", "",
+            (f"The {t['workload']} model at concurrency {t['concurrency']}, the four servers side by side, measured in"
+             f" turns ({t['rounds']} rounds of {_num(t['seconds'])} s, each round in another order;"
+             " `benchmarks/tracing.py`). CPU per request is the figure to read: throughput on a shared machine"
+             " follows whatever else runs on it."), "",
+            *_table(["server", "req/s by round", "router CPU ms per request by round", "CPU ÷ off (median)",
+                     "requests traced"], rows),
+            *([(f"The tracing code alone, in one process (`span_costs`): {_num(costs.get('unsampled'))} µs of CPU for an"
+                f" unsampled request, {_num(costs.get('sampled'))} µs for a sampled one, its spans encoded as the"
+                " exporter sends them."), ""] if (costs := t.get("span_cost_us_per_request")) else [])]
+
+
 def render(results: Mapping[str, Any]) -> str:
     """The markdown of docs/performance.md for one run's results."""
     deadline = f"{_num(results.get('deadline_s', 1.0))} s"
     photo = results.get("workloads", {}).get("photo", {})
     parts = [HEADER.split("\n")[:-1], _machine(results), _targets(results), _throughput(results, deadline),
              _surges(photo, deadline), _preprocess(photo), _four_models(photo), _residency(results), _cluster(results),
-             _page(results)]
+             _page(results), _tracing(results)]
     return "\n".join(line for part in parts for line in part).rstrip("\n") + "\n"
 
 

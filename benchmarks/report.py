@@ -109,6 +109,13 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
                                detail=f"without {page['without_rps']} rps, with {page['with_page_rps']} rps; "
                                       f"router CPU per request with / without {page['cpu_per_request_ratio']}; "
                                       f"the page's Chromium used {page['browser_cpu_share']} of a core"))
+    tracing = results.get("tracing_overhead", {})
+    if tracing.get("cpu_off_over_before") is not None:
+        cpu = tracing["median_cpu_ms_per_request"]
+        targets.append(_target("no-op at c=32: router CPU per request, tracing off / before tracing (median of rounds)",
+                               tracing["cpu_off_over_before"], 1.03, at_most=True,
+                               detail=f"before {cpu['before']} ms, off {cpu['off']} ms, 1% sampled {cpu.get('1%')} ms, "
+                                      f"all sampled {cpu.get('100%')} ms"))
     return targets + _scenario_targets(results.get("scenarios", {}))
 
 

@@ -311,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", action="append", choices=sorted([*WORKLOADS, "residency", *SCENARIOS]),
                         help="default: all")
     parser.add_argument("--skip-page", action="store_true", help="skip throughput with the live page open")
+    parser.add_argument("--skip-tracing", action="store_true", help="skip the cost of tracing (benchmarks/tracing.py)")
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
     scratch = args.out / "scratch"  # fleet files, request bodies and server logs of this run only
@@ -333,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_page:
         results["page_overhead"] = page_overhead(args.store.resolve(), scratch, plan)
         print(f"[page] {results['page_overhead']}", flush=True)
+    if not args.skip_tracing:
+        from benchmarks.tracing import tracing_overhead
+
+        results["tracing_overhead"] = tracing_overhead(scratch / "tracing", plan.closed_s, 2 if args.quick else 4,
+                                                       plan.warm_s)
+        print(f"[tracing] {json.dumps(results['tracing_overhead'])[:600]}", flush=True)
     results["targets"] = evaluate(results)
     results["load_average_end"] = [round(x, 2) for x in psutil.getloadavg()]  # other work on the machine shows here
     results["wall_s"] = round(time.monotonic() - started, 1)

@@ -96,9 +96,9 @@ def serve_router(fleet_yaml: str, scratch: Path, timeout_s: float = 300.0,
 
 @contextmanager
 def launch(system: str, command: list[str], env: dict[str, str], port: int, path: str, health: str,
-           log_path: Path, timeout_s: float) -> Iterator[Server]:
+           log_path: Path, timeout_s: float, cwd: Path = REPO) -> Iterator[Server]:
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     server = Server(system, f"http://127.0.0.1:{port}", path, process, log_path)
     try:

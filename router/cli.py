@@ -15,6 +15,7 @@ from router.errors import ConfigError
 from router.http.auth import AccessPolicy, policy_from_settings
 from router.serving.plan import FleetPlan, load_plan
 from router.serving.registry import PluginRegistry
+from router.tracing import tracing_from_environment
 
 __all__ = ["main"]
 
@@ -44,16 +45,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         settings, plan, policy = prepare(args)
+        tracing = tracing_from_environment()  # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT turns it on
     except ConfigError as exc:
         return _refuse(exc)
     configure_logging(settings.log_level, settings.log_format)
     threads = count_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
     apply_threads(threads)
-    runtime = Runtime(plan, cpu_workers=threads.cpu_workers)
+    runtime = Runtime(plan, cpu_workers=threads.cpu_workers, tracing=tracing)
     app = create_app(runtime, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
                      access_policy=policy, body_timeout_s=settings.body_timeout_s, max_items=settings.max_items,
-                     trim_memory=settings.trim_memory)
+                     trim_memory=settings.trim_memory, tracing=tracing)
     log.info(policy.describe())
+    log.info("tracing: %s", tracing.describe() if tracing is not None else "off (no OTEL_EXPORTER_OTLP_ENDPOINT)")
     run_server(app, runtime, settings)
     return 0
 
@@ -65,8 +68,12 @@ def access_policy(settings: ServerSettings) -> AccessPolicy:
 def cmd_check(args: argparse.Namespace) -> int:
     try:
         _, plan, _ = prepare(args)
+        tracing = tracing_from_environment()
     except ConfigError as exc:
         return _refuse(exc)
+    if tracing is not None:
+        print(f"model-router: tracing: {tracing.describe()}", file=sys.stderr)
+        tracing.shutdown()
     print(json.dumps(plan.describe(), indent=2))
     print(f"model-router: {plan.source} is valid: {len(plan.models)} model(s) on "
           f"{len(plan.fleet.devices)} device(s)", file=sys.stderr)

@@ -1,5 +1,6 @@
 """Structured logs: JSON lines, or readable text lines on a terminal, with the same fields either way.
-Each record carries the request id of the request being served, if any."""
+Each record carries the request id of the request being served, if any, and its trace id when
+tracing is on, so that a line leads to the request's trace."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from logging.handlers import QueueHandler, QueueListener
 from typing import Any, Literal, TextIO
 
 __all__ = ["JsonFormatter", "LogFormat", "TextFormatter", "configure_logging", "formatter_for", "record_fields",
-           "request_id_var"]
+           "request_id_var", "trace_id_var"]
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+trace_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("trace_id", default=None)
 
 # Record attributes that are not fields; uvicorn's `color_message` repeats the message with ANSI codes.
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "color_message"}
@@ -24,7 +26,8 @@ _RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"me
 
 LogFormat = Literal["auto", "json", "text"]
 # Shown first on a text line, in this order, when present: who, what, how long.
-_LEADING = ("model", "request_id", "method", "path", "status", "duration_ms", "queue_wait_ms", "execution_ms", "batch_size")
+_LEADING = ("model", "request_id", "trace_id", "method", "path", "status", "duration_ms", "queue_wait_ms", "execution_ms",
+            "batch_size")
 
 
 def record_fields(record: logging.LogRecord, formatter: logging.Formatter) -> dict[str, Any]:
@@ -38,6 +41,9 @@ def record_fields(record: logging.LogRecord, formatter: logging.Formatter) -> di
     request_id = getattr(record, "request_id", None) or request_id_var.get()
     if request_id:
         entry["request_id"] = request_id
+    trace_id = getattr(record, "trace_id", None) or trace_id_var.get()
+    if trace_id:
+        entry["trace_id"] = trace_id
     for key, value in record.__dict__.items():
         if key not in _RESERVED and key not in entry and not key.startswith("_"):
             entry[key] = value
@@ -81,11 +87,13 @@ def formatter_for(fmt: LogFormat, stream: TextIO) -> logging.Formatter:
 
 class _DeferredHandler(QueueHandler):
     """Hands records to a background thread, which formats and writes them: the event loop only
-    enqueues. The request id is captured here, since the context does not follow the record."""
+    enqueues. The request and trace ids are captured here, since the context does not follow the record."""
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
         if getattr(record, "request_id", None) is None and (request_id := request_id_var.get()):
             record.request_id = request_id
+        if getattr(record, "trace_id", None) is None and (trace_id := trace_id_var.get()):
+            record.trace_id = trace_id
         return record
 
 

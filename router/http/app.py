@@ -16,11 +16,11 @@ from litestar.enums import ScopeType
 from litestar.exceptions import ClientException, HTTPException, NotFoundException
 from litestar.openapi import OpenAPIConfig
 from litestar.params import FromPath
-from litestar.types import ASGIApp, Message, Receive, ReceiveMessage, Scope, Send
+from litestar.types import ASGIApp, HTTPScope, Message, Receive, ReceiveMessage, Scope, Send
 
 from router import __version__
 from router.errors import ClientDisconnected, InputError, RequestTimeout, RouterError, brief, clip
-from router.http.access import access_line
+from router.http.access import QUIET_PATHS, access_line
 from router.http.admin import ADMIN_ROUTES
 from router.http.answers import error_body
 from router.http.auth import Access, AccessPolicy, access_guard
@@ -31,11 +31,12 @@ from router.http.memory import BodyMemory
 from router.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.http.metrics import RouterMetrics
 from router.http.protocol import PRECHECKED
-from router.http.request_state import mark_received, received_at, runtime_of
+from router.http.request_state import TRACE, mark_received, note_error, received_at, request_phases, runtime_of
 from router.http.ui import ui_router
-from router.logs import request_id_var
+from router.logs import request_id_var, trace_id_var
 from router.sdk.plugin import Payload
 from router.serving.facade import ServingFacade
+from router.tracing.api import RequestSpan, Tracing
 
 __all__ = ["create_app"]
 
@@ -85,6 +86,7 @@ async def _payload(request: Request[Any, Any, Any]) -> Payload:
 async def predict(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Accepts a multipart field `file` or a raw `image/*` body. Headers: X-Timeout-Ms, X-Priority."""
     runtime = runtime_of(request)
+    trace = request_phases(request.scope, "receive")
     priority = priority_header(request.headers.get("x-priority"))
     timeout_ms = number_header("X-Timeout-Ms", request.headers.get("x-timeout-ms"))
     # 404, 503 and header errors before the body is read: under a surge a refusal costs little.
@@ -96,8 +98,10 @@ async def predict(name: FromPath[str], request: Request[Any, Any, Any]) -> Respo
     request.scope["state"]["access"] = {"model": name, "input_bytes": len(payload.body)}
     answer = await run_unless_disconnected(
         request.receive, runtime.submit(name, payload, priority=priority, timeout_ms=timeout_ms,
-                                        request_id=request_id_var.get(), received_at=received_at(request))
+                                        request_id=request_id_var.get(), received_at=received_at(request), trace=trace)
     )
+    if trace is not None:
+        trace.enter("respond")  # from the runtime's answer
     request.scope["state"]["access"].update(
         queue_wait_ms=round(answer.queue_wait_s * 1000, 3), batch_size=answer.batch_size,
         execution_ms=round(answer.execution_s * 1000, 3), memory_delta_bytes=answer.memory_delta_bytes,
@@ -158,6 +162,7 @@ async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
 def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     """Every error as JSON with `detail`; status and headers from the error class. Under /v2
     (an unknown V2 route, a wrong method) the V2 shape `{"error": ...}`."""
+    note_error(request.scope, exc)
     if request.scope.get("path", "").startswith("/v2"):
         return v2_error_response(request, exc)
     if isinstance(exc, RouterError):
@@ -173,10 +178,12 @@ def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response
                     headers=headers, media_type=MediaType.JSON)
 
 
-def request_id_middleware(app: ASGIApp, *, body_timeout_s: float, memory: BodyMemory | None = None) -> ASGIApp:
+def request_id_middleware(app: ASGIApp, *, body_timeout_s: float, memory: BodyMemory | None = None,
+                          tracing: Tracing | None = None) -> ASGIApp:
     """Around every HTTP request, routed or not (404, 405): an X-Request-ID on the response (the
     caller's, if sane), one access log line, the body's read deadline, and 499 for a client that
-    went away before its answer."""
+    went away before its answer. With `tracing`, the request's server span (the caller's
+    `traceparent` its parent, echoed in the answer) and its trace id on the request's log lines."""
 
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != ScopeType.HTTP:
@@ -186,6 +193,8 @@ def request_id_middleware(app: ASGIApp, *, body_timeout_s: float, memory: BodyMe
         request_id = incoming_or_new(incoming, uuid.uuid4().hex)
         token = request_id_var.set(request_id)
         mark_received(scope)
+        trace = _start_trace(tracing, scope) if tracing is not None else None
+        trace_token = trace_id_var.set(trace.trace_id) if trace is not None and trace.trace_id else None
         started = time.perf_counter()
         status = 0
 
@@ -193,7 +202,8 @@ def request_id_middleware(app: ASGIApp, *, body_timeout_s: float, memory: BodyMe
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                headers = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                message["headers"] = headers if trace is None else headers + trace.response_headers()
             await send(message)
 
         if memory is not None:
@@ -204,9 +214,33 @@ def request_id_middleware(app: ASGIApp, *, body_timeout_s: float, memory: BodyMe
             if memory is not None:
                 memory.in_flight -= 1
             _access_line(scope, status, time.perf_counter() - started)
+            if trace is not None:
+                _end_trace(scope, trace, status, request_id)
+            if trace_token is not None:
+                trace_id_var.reset(trace_token)
             request_id_var.reset(token)
 
     return middleware
+
+
+def _start_trace(tracing: Tracing, scope: HTTPScope) -> RequestSpan | None:
+    """The request's server span in the scope state, from its arrival; none for the polled paths."""
+    if scope["path"] in QUIET_PATHS:
+        return None
+    headers = scope["headers"]  # a list from uvicorn; ASGI allows any iterable
+    trace = tracing.start_request(scope["method"], scope["path"], headers if isinstance(headers, list) else list(headers),
+                                  scope["state"]["received_at"])
+    scope["state"][TRACE] = trace
+    return trace
+
+
+def _end_trace(scope: Scope, trace: RequestSpan, status: int, request_id: str) -> None:
+    """End the server span now, with what the handler recorded for the access line as attributes."""
+    if trace.recording:
+        fields = scope["state"].get("access") or {}
+        trace.describe(**{f"router.{key}": value for key, value in fields.items()
+                          if isinstance(value, (str, bool, int, float))}, **{"router.request_id": request_id})
+    trace.end(status or 499, time.monotonic(), scope.get("path_template"))
 
 
 def _read_body_by(receive: Receive, timeout_s: float, memory: BodyMemory | None) -> Receive:
@@ -253,10 +287,12 @@ def create_app(
     body_timeout_s: float = 60.0,
     max_items: int = 1024,
     trim_memory: bool = True,
+    tracing: Tracing | None = None,
 ) -> Litestar:
     """The Litestar app around a runtime (or any serving façade). The runtime starts in the lifespan
     and loads models in the background. `bound_metrics`: a registry already bound to the runtime, with
-    collectors of its own (the cluster's); by default a fresh one bound here."""
+    collectors of its own (the cluster's); by default a fresh one bound here. `tracing`: spans for
+    requests (the runtime makes the batches'), exported until the lifespan ends."""
     memory = BodyMemory() if trim_memory else None
 
     @asynccontextmanager
@@ -271,6 +307,8 @@ def create_app(
             if not runtime.draining:
                 await runtime.drain(drain_timeout_s)
             await runtime.stop()
+            if tracing is not None:
+                await asyncio.to_thread(tracing.shutdown)  # exports what is pending, off the loop
 
     app = Litestar(
         route_handlers=[predict, list_models, show_model, live, ready, metrics, *ADMIN_ROUTES, v2_router, ui_router],
@@ -284,8 +322,10 @@ def create_app(
     )
     # Around Litestar's router rather than its route handlers, so that unrouted requests (404,
     # 405) get a request id and an access line too.
-    app.asgi_handler = request_id_middleware(app.asgi_handler, body_timeout_s=body_timeout_s, memory=memory)
+    app.asgi_handler = request_id_middleware(app.asgi_handler, body_timeout_s=body_timeout_s, memory=memory,
+                                             tracing=tracing)
     app.state.runtime = runtime
+    app.state.tracing = tracing
     app.state.max_items = max_items
     router_metrics = bound_metrics
     if router_metrics is None:

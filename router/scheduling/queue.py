@@ -13,6 +13,7 @@ from typing import Any
 
 from router.config import BatchPolicy
 from router.errors import PayloadTooLarge, QueueFull
+from router.tracing.api import SpanRef
 
 __all__ = ["DrainRate", "ModelQueue", "Ticket", "TicketState", "reject", "resolve"]
 
@@ -40,6 +41,10 @@ class Ticket:
     execution_s: float = 0.0
     memory_delta_bytes: int | None = None
     measure: bool = False  # admitted to measure the model (idle, untimed, probe): never dropped as doomed
+    # Tracing: values, not live spans, so that they can cross to a process where the batch runs and back.
+    trace: SpanRef | None = None  # the sampled request's span, which its batch span links to
+    batch_trace: SpanRef | None = None  # the batch span it rode, which its execute phase links to
+    finished_at: float | None = None  # when its batch (or its part of a split batch) ended
 
 
 def resolve(ticket: Ticket, result: Any) -> None:

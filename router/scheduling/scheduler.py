@@ -23,6 +23,7 @@ from router.scheduling.queue import ModelQueue, Ticket, reject
 from router.scheduling.residency import Occupant, ResidencyPlan, plan_residency
 from router.scheduling.service_time import BatchTime, DecayingTotal
 from router.sdk.plugin import MemoryEstimate
+from router.tracing.api import BatchSpan, Tracing
 
 __all__ = ["DeviceScheduler", "Model", "NoRoomYet", "ResidencyActions", "Runner"]
 
@@ -87,11 +88,13 @@ class DeviceScheduler:
         probe: MemoryProbe | None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        tracing: Tracing | None = None,
     ) -> None:
         self.device = device
         self.config = config
         self.probe = probe
         self.clock = clock
+        self._tracing = tracing
         self.ledger = MemoryLedger(device)
         self.budget_bytes = 0
         self.total_bytes = 0
@@ -373,16 +376,37 @@ class DeviceScheduler:
         runner.begin_batch(len(tickets), now)
         self._active += 1
         self._ends[reservation.batch_id] = now + runner.times.seconds(len(tickets), now)
-        task = asyncio.create_task(self._run(model, runner, tickets, reservation))
+        span = self._batch_span(model, runner, tickets, reservation, now) if self._tracing is not None else None
+        task = asyncio.create_task(self._run(model, runner, tickets, reservation, span))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _run(self, model: Model, runner: Runner, tickets: list[Ticket], reservation: Reservation) -> None:
+    def _batch_span(self, model: Model, runner: Runner, tickets: list[Ticket], reservation: Reservation,
+                    now: float) -> BatchSpan | None:
+        """The span of a batch that serves a sampled request, linked to each one; its tickets carry its ref."""
+        assert self._tracing is not None
+        traced = [(ticket.trace, ticket.request_id) for ticket in tickets if ticket.trace is not None]
+        if not traced:
+            return None
+        span = self._tracing.start_batch(traced, now, {
+            "router.model": model.name, "router.instance": runner.key, "router.device": self.device,
+            "router.batch.size": len(tickets), "router.batch.memory_reserved_bytes": reservation.bytes,
+        })
+        for ticket in tickets:
+            ticket.batch_trace = span.ref
+        return span
+
+    async def _run(self, model: Model, runner: Runner, tickets: list[Ticket], reservation: Reservation,
+                   span: BatchSpan | None = None) -> None:
         started = self.clock()
         before = self.last_reading
         slot = True
         try:
-            await runner.execute(tickets)
+            try:
+                await runner.execute(tickets)
+            finally:
+                if span is not None:
+                    span.end(self.clock(), _batch_error(tickets))
             self._record_memory_change(tickets, before)  # before the callers resume: no await in between
             # Answered. A batch fenced past its execution timeout keeps its memory until its thread
             # returns, but not its slot: a hung model must not stop the others on its device.
@@ -408,3 +432,13 @@ class DeviceScheduler:
         if after is not None:
             for ticket in tickets:
                 ticket.memory_delta_bytes = after.used_bytes - before.used_bytes
+
+
+def _batch_error(tickets: list[Ticket]) -> str | None:
+    """What a batch failed with (its first failed ticket's error), for its span."""
+    for ticket in tickets:
+        future = ticket.future
+        if future.done() and not future.cancelled() and future.exception() is not None:
+            error = future.exception()
+            return str(getattr(error, "detail", None) or error)
+    return None

@@ -234,7 +234,7 @@ class ModelInstance:
     async def _run_split(self, tickets: Sequence[Ticket]) -> None:
         """Predict; on out-of-memory free the cache and retry each half; one item that still fails gets 503."""
         try:
-            outputs, elapsed = await self._predict([t.item for t in tickets])
+            outputs, elapsed = await self._predict(tickets)
         except ExecutionTimeout as exc:
             for ticket in tickets:
                 reject(ticket, exc)
@@ -268,7 +268,16 @@ class ModelInstance:
             ticket.execution_s = elapsed
             resolve(ticket, output)
 
-    async def _predict(self, items: list[Any]) -> tuple[Sequence[Any], float]:
+    async def _predict(self, tickets: Sequence[Ticket]) -> tuple[Sequence[Any], float]:
+        """Run the tickets' items on the instance's thread; each ticket learns when its batch ended."""
+        try:
+            return await self._predict_items([t.item for t in tickets])
+        finally:
+            ended = self._clock()
+            for ticket in tickets:
+                ticket.finished_at = ended
+
+    async def _predict_items(self, items: list[Any]) -> tuple[Sequence[Any], float]:
         if self._inflight is not None and not self._inflight.done():
             raise ExecutionTimeout(f"model {self.model!r} instance {self.index} is stalled by an earlier batch")
         started = self._clock()

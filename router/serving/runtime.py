@@ -42,10 +42,12 @@ from router.serving.inflight import InFlight
 from router.serving.instance import ModelInstance
 from router.serving.isolation import RemotePlugin
 from router.serving.loading import load_deployment
+from router.serving.phases import trace_execution
 from router.serving.plan import FleetPlan
 from router.serving.residency_executor import ResidencyExecutor, UnloadReport
 from router.serving.snapshots import DeviceInfo, ModelInfo, device_info, model_info
 from router.serving.telemetry import Telemetry, TelemetryFanout
+from router.tracing.api import Phases, Tracing, within_phase
 
 __all__ = ["Answer", "Runtime"]
 
@@ -78,8 +80,10 @@ class Runtime:
         telemetry: Telemetry | None = None,
         clock: Callable[[], float] = time.monotonic,
         plugin_extra: dict[str, Any] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.plan = plan
+        self.tracing = tracing  # batch spans, made by the device schedulers
         self.fleet: FleetConfig = plan.fleet
         self.clock = clock
         self.telemetry = TelemetryFanout()
@@ -129,7 +133,7 @@ class Runtime:
         for device, config in self.fleet.devices.items():
             try:
                 probe = self._probe_factory(device, config.probe)
-                scheduler = DeviceScheduler(device, config, probe, clock=self.clock)
+                scheduler = DeviceScheduler(device, config, probe, clock=self.clock, tracing=self.tracing)
                 scheduler.resolve_budget()
             except Exception as exc:  # noqa: BLE001  # a device that cannot be budgeted fails its own models only
                 self._device_errors[device] = f"{type(exc).__name__}: {exc}"
@@ -323,20 +327,23 @@ class Runtime:
         timeout_ms: float | None = None,
         request_id: str | None = None,
         received_at: float | None = None,
+        trace: Phases | None = None,
     ) -> Answer:
         """Run one input through a model. Raises a RouterError subclass on any failure.
-        The deadline counts from `received_at` (the runtime's clock) when the caller knows it."""
+        The deadline counts from `received_at` (the runtime's clock) when the caller knows it.
+        With `trace` (a sampled request's), each phase of the path is recorded there as it ends."""
         deployment = self._deployment(model)
         request_id = request_id or uuid.uuid4().hex
         started = self.clock() if received_at is None else min(received_at, self.clock())
         with self._inflight.request(lambda outcome: self._count(deployment, outcome, started)):
-            answer = await self._submit(deployment, payload, priority, timeout_ms, request_id, started)
+            work = self._submit(deployment, payload, priority, timeout_ms, request_id, started, trace)
+            answer = await (work if trace is None else within_phase(trace, "admission", self.clock, work))
             self.telemetry.observe_answer(deployment.name, self.clock() - started, check_timeout(deployment, timeout_ms))
             return answer
 
     async def _submit(
         self, deployment: Deployment, payload: Payload, priority: int | None,
-        timeout_ms: float | None, request_id: str, started: float,
+        timeout_ms: float | None, request_id: str, started: float, trace: Phases | None,
     ) -> Answer:
         self._check_accepting(deployment)
         check_media_type(deployment, payload)
@@ -348,7 +355,7 @@ class Runtime:
         queue.reserve_slot(started)
         deployment.residency.hold(now)  # in use: not evicted until answered
         try:
-            return await self._held(deployment, payload, level, deadline, measure, request_id, started)
+            return await self._held(deployment, payload, level, deadline, measure, request_id, started, trace)
         finally:
             deployment.residency.release(self.clock())
             if deployment.residency.holders == 0:
@@ -356,28 +363,41 @@ class Runtime:
 
     async def _held(
         self, deployment: Deployment, payload: Payload, level: int, deadline: float, measure: bool,
-        request_id: str, started: float,
+        request_id: str, started: float, trace: Phases | None,
     ) -> Answer:
         queue = deployment.queue
         try:
             if not deployment.serving:  # an on-demand model: wait for its load (counted in its queue)
+                if trace is not None:
+                    trace.enter("wait for load", self.clock())
                 waited = await self._residency.until_serving(deployment, deadline)
                 self.telemetry.observe_cold_wait(deployment.name, waited)
+            if trace is not None:
+                trace.enter("preprocess", self.clock())
             plugin = deployment.front
             item = await self._before(deadline, deployment, self._hook(deployment, "preprocess", plugin.preprocess, payload))
             self._check_open()
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            ticket = Ticket(request_id, item, level, self.clock(), deadline, future, len(payload.body), measure=measure)
+            ticket = Ticket(request_id, item, level, self.clock(), deadline, future, len(payload.body), measure=measure,
+                            trace=trace.ref if trace is not None else None)
         except BaseException:
             queue.release_slot()
             raise
         queue.put(ticket, reserved=True)
+        if trace is not None:
+            trace.enter("queue wait", ticket.arrived_at)
         self._tickets.add(ticket)
         try:
             self._notify(deployment)
             output = await self._await_ticket(deployment, ticket, deadline - started)
+        except BaseException as exc:
+            if trace is not None:
+                trace_execution(trace, ticket, self.clock(), exc)
+            raise
         finally:
             self._tickets.discard(ticket)
+        if trace is not None:
+            trace_execution(trace, ticket, self.clock())
         result = await self._hook(deployment, "postprocess", plugin.postprocess, output, item)
         check_answer(deployment, result)
         if ticket.dispatched_at is not None:  # batch end to answer: what the deadline gate adds after a batch

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 import zlib
 from collections.abc import Sequence
@@ -36,12 +37,13 @@ from router.http.kserve.codec import (
     signature,
     to_payloads,
 )
-from router.http.request_state import received_at, runtime_of
+from router.http.request_state import note_error, received_at, request_phases, request_trace, runtime_of
 from router.logs import request_id_var
 from router.sdk.plugin import Payload
 from router.serving.facade import ServingFacade
 from router.serving.runtime import Answer
 from router.serving.snapshots import ModelInfo
+from router.tracing.api import Phases
 
 __all__ = ["v2_error_response", "v2_router"]
 
@@ -114,11 +116,14 @@ async def infer(name: FromPath[str], request: Request[Any, Any, Any]) -> Respons
     """JSON tensors or Triton's binary tensor data extension. Parameters: `timeout` (us), `priority` (1 highest).
     A request is admitted or refused as a whole: its item count against the model's queue before any item is queued."""
     runtime = runtime_of(request)
+    trace = request_phases(request.scope, "receive")
     model = _model(request, name)  # 404 before reading the body
     runtime.precheck(name, received_at=received_at(request))  # draining, not serving, full: before the body
     body = _decompress(await request.body(), request.headers.get("content-encoding"), _body_limit(request))
-    work = _decode_and_run(request, runtime, model, body)  # a client gone mid-decode stops it before submitting
+    work = _decode_and_run(request, runtime, model, body, trace)  # a client gone mid-decode stops it before submitting
     decoded, outputs, answers = await run_unless_disconnected(request.receive, work)
+    if trace is not None:
+        trace.enter("respond")  # from the runtime's answer
     content, header_length = encode_response(name, decoded, outputs, [answer.output for answer in answers])
     if header_length is None:
         return Response(content, media_type=MediaType.JSON)
@@ -126,9 +131,11 @@ async def infer(name: FromPath[str], request: Request[Any, Any, Any]) -> Respons
 
 
 async def _decode_and_run(
-    request: Request[Any, Any, Any], runtime: ServingFacade, model: ModelInfo, body: bytes
+    request: Request[Any, Any, Any], runtime: ServingFacade, model: ModelInfo, body: bytes, trace: Phases | None,
 ) -> tuple[InferRequest, Sequence[RequestedOutput], list[Answer]]:
     """Decode (off the event loop), check the whole request against the queue, then submit every item."""
+    if trace is not None:
+        trace.enter("decode", time.monotonic())
     max_items = min(_max_items(request), model.queue_capacity)
     decoded = await asyncio.to_thread(decode_request, body, request.headers.get(HEADER_LENGTH), max_items=max_items)
     priority = router_priority(decoded.priority, model.priority_levels)
@@ -139,13 +146,26 @@ async def _decode_and_run(
     outputs = select_outputs(decoded, sig)
     payloads = await asyncio.to_thread(to_payloads, decoded, model.name, sig)
     request.scope["state"]["access"] = {"model": model.name, "input_bytes": len(body), "items": len(payloads)}
-    answers = await _submit_all(runtime, model.name, payloads, priority, decoded.timeout_ms, received_at(request))
+    traces = None if trace is None else _item_traces(request, trace, len(payloads))
+    answers = await _submit_all(runtime, model.name, payloads, priority, decoded.timeout_ms, received_at(request),
+                                traces)
     return decoded, outputs, answers
+
+
+def _item_traces(request: Request[Any, Any, Any], trace: Phases, items: int) -> list[Phases | None]:
+    """The phases of each item's path: the request's own path for one item; for many, each item has
+    its own under the request's span (they run side by side), while the request's is in "items"."""
+    if items == 1:
+        return [trace]
+    trace.enter("items", time.monotonic())
+    span = request_trace(request.scope)
+    assert span is not None
+    return [span.phases(item=index) for index in range(items)]
 
 
 async def _submit_all(
     runtime: ServingFacade, model: str, payloads: Sequence[Payload], priority: int | None, timeout_ms: float | None,
-    arrived: float | None,
+    arrived: float | None, traces: Sequence[Phases | None] | None = None,
 ) -> list[Answer]:
     """Submit every item at once so they share the queue and the batcher; answers in item order.
 
@@ -154,8 +174,8 @@ async def _submit_all(
     ids = [base] if len(payloads) == 1 else [f"{base}.{i}" for i in range(len(payloads))]
     tasks = [
         asyncio.ensure_future(runtime.submit(model, p, priority=priority, timeout_ms=timeout_ms, request_id=rid,
-                                            received_at=arrived))
-        for p, rid in zip(payloads, ids, strict=True)
+                                            received_at=arrived, trace=traces[index] if traces else None))
+        for index, (p, rid) in enumerate(zip(payloads, ids, strict=True))
     ]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -247,6 +267,7 @@ async def repository_unload(name: FromPath[str], request: Request[Any, Any, Any]
 
 def v2_error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, str]]:
     """Every error on a V2 route as `{"error": ...}`, with the status and headers `encode_error` maps."""
+    note_error(request.scope, exc)
     mapped = encode_error(exc)
     if mapped is None:
         log.error("unhandled error", exc_info=exc)
