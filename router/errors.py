@@ -1,6 +1,7 @@
 """Error hierarchy: each class carries its HTTP status, its `outcome` label (metrics, logs) and
 its retry hint, so errors map to HTTP in one handler. Where the Open Inference Protocol (KServe
-V2) answers differently, the one table `V2_STATUS` below says so."""
+V2) answers differently, the one table `V2_STATUS` below says so; `GRPC_CODES` maps the same
+statuses to gRPC's codes."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from collections.abc import Mapping
 from typing import ClassVar, Final
 
 __all__ = [
+    "GRPC_CODES",
+    "V2_STATUS",
     "BatchSizeMismatch",
     "ClientDisconnected",
     "ConfigError",
     "DeadlineExceeded",
     "DeviceOutOfMemory",
     "ExecutionTimeout",
-    "V2_STATUS",
     "Forbidden",
     "InputError",
     "ModelDoesNotFit",
@@ -27,15 +29,18 @@ __all__ = [
     "PayloadTooLarge",
     "PluginValidationError",
     "QueueFull",
+    "RegionNotFound",
     "ReplicaLost",
     "RequestTimeout",
     "RouterError",
     "ShuttingDown",
     "Unauthorized",
+    "Unimplemented",
     "UnknownPlugin",
     "UnsupportedMediaType",
     "brief",
     "clip",
+    "grpc_status",
     "outcome_of",
     "v2_status",
 ]
@@ -106,6 +111,20 @@ class Forbidden(RouterError):
 class ModelNotFound(RouterError):
     status_code = 404
     outcome = "not_found"
+
+
+class RegionNotFound(RouterError):
+    """No shared memory region of that name is registered."""
+
+    status_code = 404
+    outcome = "not_found"
+
+
+class Unimplemented(RouterError):
+    """A part of the protocol this server does not serve (CUDA shared memory, trace settings)."""
+
+    status_code = 501
+    outcome = "unsupported"
 
 
 class Overloaded(RouterError):
@@ -189,6 +208,27 @@ def v2_status(error: RouterError) -> tuple[int, dict[str, str]]:
                 headers.setdefault("Retry-After", str(max(1, int(retry + 0.999))))
             return status, headers
     return error.status_code, dict(error.headers)
+
+
+#: gRPC's status codes (their names in grpc.StatusCode) for the statuses above: what a gRPC client
+#: sees for each error. An expired deadline is DEADLINE_EXCEEDED (the HTTP native status, not V2's
+#: 503), and a 503's retry hint travels in trailing metadata (`grpc_status`).
+GRPC_CODES: Final[dict[int, str]] = {
+    400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+    408: "DEADLINE_EXCEEDED", 413: "RESOURCE_EXHAUSTED", 415: "INVALID_ARGUMENT", 499: "CANCELLED",
+    500: "INTERNAL", 501: "UNIMPLEMENTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED",
+}
+
+
+def grpc_status(error: RouterError) -> tuple[str, dict[str, str]]:
+    """The gRPC code name and trailing metadata of an error: `retry-after` (seconds, as the HTTP
+    header) and `grpc-retry-pushback-ms` (read by gRPC's own retry policy) when a retry may succeed
+    (every 503: one second where the error names no time)."""
+    code = GRPC_CODES.get(error.status_code, "UNKNOWN" if error.status_code < 500 else "INTERNAL")
+    retry = error.retry_after_s if error.retry_after_s is not None else (1.0 if error.status_code == 503 else None)
+    if retry is None:
+        return code, {}
+    return code, {"retry-after": str(max(1, int(retry + 0.999))), "grpc-retry-pushback-ms": str(int(retry * 1000))}
 
 
 def outcome_of(error: BaseException) -> str:
