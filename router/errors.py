@@ -191,10 +191,13 @@ class BatchSizeMismatch(ModelError):
 #: Where KServe V2 answers with another status than the native API: a deadline that expired
 #: before the input ran is 503 + Retry-After there, as V2 clients expect of a server too busy to
 #: answer in time. A batch that overran its execution timeout stays 504: retrying the same input
-#: may overrun again. Looked up by the error's class, most specific first.
+#: may overrun again. A part of the protocol not served (CUDA shared memory) is 400, as Triton
+#: answers it over HTTP (gRPC's UNIMPLEMENTED comes from the native 501). Looked up by the error's
+#: class, most specific first.
 V2_STATUS: Final[dict[type[RouterError], tuple[int, float | None]]] = {
     ExecutionTimeout: (504, None),
     DeadlineExceeded: (503, 1.0),
+    Unimplemented: (400, None),
 }
 
 

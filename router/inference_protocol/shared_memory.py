@@ -165,7 +165,7 @@ class SharedMemoryRegistry:
                     raise _open_error(key, exc) from None
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
                     os.close(fd)
-                    raise InputError(f"shared memory key {brief(key, 80)} is not a regular file under {self.directory}")
+                    raise InputError(f"shared memory key {brief(key, 80)} is not a regular file under /dev/shm")
                 return fd, writable
             raise InputError(f"shared memory key {brief(key, 80)}: permission denied")
         finally:
@@ -286,6 +286,8 @@ def _open_error(key: str, exc: OSError) -> InputError:
         return InputError(f"no shared memory object {brief(key, 80)} exists; create it (shm_open) before registering")
     if exc.errno == errno.ELOOP:
         return InputError(f"shared memory key {brief(key, 80)} is a symbolic link; register the object itself")
+    if exc.errno == errno.EISDIR:
+        return InputError(f"shared memory key {brief(key, 80)} is not a regular file under /dev/shm")
     return InputError(f"shared memory key {brief(key, 80)} cannot be opened: {exc.strerror}")
 
 

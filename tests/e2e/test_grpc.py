@@ -24,7 +24,6 @@ from tritonclient.utils import InferenceServerException
 
 from router.sdk.images import decode_image
 from router.sdk.plugin import Payload
-from router.store import init_demo
 from tests.conftest import REPO, RouterProcess, read_records, serve
 
 pytestmark = pytest.mark.e2e
@@ -59,10 +58,9 @@ USER, ADMIN = "user-key-0123456789abcdef", "admin-key-0123456789abcdef"
 
 @pytest.fixture(scope="module")
 def fleet_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
-    """config/fleet.yaml as shipped (yolov8n and resnet18), on a freshly built demo store."""
-    store = tmp_path_factory.mktemp("store")
-    init_demo(store, progress=lambda line: None)
+    """config/fleet.yaml as shipped (yolov8n and resnet18) on the demo store (`make test` builds it)."""
     text = (REPO / "config" / "fleet.yaml").read_text(encoding="utf-8")
+    store = REPO / "model_store"
     with serve(tmp_path_factory.mktemp("fleet"), text.replace("model_store: ../model_store", f"model_store: {store}")) as process:
         yield process
 
