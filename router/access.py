@@ -19,7 +19,8 @@ __all__ = ["Access", "AccessPolicy", "policy_from_settings", "read_keys"]
 
 
 class Access(str, Enum):
-    """What a route needs. Handlers declare it with `opt={"access": Access.X}`; predict is the default."""
+    """What a route or RPC needs. HTTP handlers declare it with `opt={"access": Access.X}`, the gRPC
+    service in its table (`router.grpc.service.ACCESS`); predict is the default."""
 
     OPEN = "open"  # docs
     HEALTH = "health"

@@ -26,7 +26,7 @@ from router.errors import InputError, RouterError, brief, grpc_status
 from router.inference_protocol.submission import ItemFailed
 from router.logs import incoming_or_new, request_id_var
 
-__all__ = ["Call", "Refusal", "call_of", "parse", "peer_host", "refusal_of", "run_call"]
+__all__ = ["Call", "Refusal", "call_of", "check_access", "parse", "peer_host", "refusal_of", "run_call"]
 
 log = logging.getLogger("router.access")
 errors_log = logging.getLogger("router.grpc")
@@ -103,6 +103,16 @@ def refusal_of(exc: BaseException) -> Refusal | None:
 Handler = Callable[[Any, Call], Awaitable[Any]]
 
 
+async def check_access(policy: AccessPolicy, access: Access, call: Call, context: aio.ServicerContext[Any, Any]) -> None:
+    """End the call (UNAUTHENTICATED, PERMISSION_DENIED) unless its key grants `access`: for the
+    streaming calls, which answer no error of their own before their first message."""
+    try:
+        policy.check(access, call.metadata.get("authorization"))
+    except RouterError as exc:
+        code, trailing = grpc_status(exc)
+        await context.abort(grpc.StatusCode[code], exc.detail, tuple(trailing.items()))
+
+
 def parse(message_type: Any, raw: bytes) -> Any:
     """A request message from its bytes: parsed here rather than by grpc, so that bytes that are not
     the message are INVALID_ARGUMENT with protobuf's reason, not grpc's INTERNAL."""
@@ -124,7 +134,7 @@ async def run_call(handler: Handler, message_type: Any, raw: bytes, context: aio
         response = await handler(parse(message_type, raw), call)
         context.set_trailing_metadata((("x-request-id", call.request_id),))
         return response
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  # the call's fault boundary: every error is answered with a status
         refusal = refusal_of(exc)
         if refusal is None:
             errors_log.error("unhandled error in %s", method, exc_info=exc)

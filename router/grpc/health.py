@@ -17,8 +17,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.access import Access, AccessPolicy
-from router.errors import RouterError
-from router.grpc.calls import call_of, refusal_of
+from router.grpc.calls import call_of, check_access
 from router.serving.facade import ServingFacade
 
 __all__ = ["ReadinessHealth", "health_status"]
@@ -45,17 +44,8 @@ class ReadinessHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
         self.policy = policy
         self.server_services = frozenset({"", service_name})
 
-    async def _check_access(self, context: aio.ServicerContext[Any, Any], method: str) -> None:
-        call = call_of(context, method)
-        try:
-            self.policy.check(Access.HEALTH, call.metadata.get("authorization"))
-        except RouterError as exc:
-            refusal = refusal_of(exc)
-            assert refusal is not None
-            await context.abort(refusal.code, refusal.details, refusal.trailing)
-
     async def Check(self, request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
-        await self._check_access(context, "Check")
+        await check_access(self.policy, Access.HEALTH, call_of(context, "Check"), context)
         status = health_status(self.runtime, request.service, self.server_services)
         if status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service[:64]!r}")
@@ -63,7 +53,7 @@ class ReadinessHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
 
     async def Watch(self, request: Any, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         """The status now, then each change, until the client leaves."""
-        await self._check_access(context, "Watch")
+        await check_access(self.policy, Access.HEALTH, call_of(context, "Watch"), context)
         last = None
         while True:
             status = health_status(self.runtime, request.service, self.server_services)

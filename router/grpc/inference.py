@@ -103,7 +103,7 @@ class Inference:
         try:
             frame = parse(pb.ModelInferRequest, raw)
             return pb.ModelStreamInferResponse(infer_response=await self.infer(frame, call, in_order))
-        except Exception as exc:
+        except Exception as exc:  # the frame's fault boundary: its error answers it, the stream goes on
             refusal = refusal_of(exc)
             if refusal is None:
                 log.error("unhandled error in a stream frame", exc_info=exc)

@@ -16,8 +16,8 @@ from google.protobuf import json_format
 from grpc import aio
 
 from router.access import Access, AccessPolicy
-from router.errors import InputError, RouterError, Unimplemented, brief
-from router.grpc.calls import Call, call_of, refusal_of, run_call
+from router.errors import InputError, Unimplemented, brief
+from router.grpc.calls import Call, call_of, check_access, run_call
 from router.grpc.inference import Inference
 from router.grpc.protos import grpc_service_pb2 as pb
 from router.inference_protocol import repository
@@ -148,12 +148,7 @@ class InferenceService:
 
     async def ModelStreamInfer(self, frames: AsyncIterator[Any], context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         call = call_of(context, "ModelStreamInfer")
-        try:
-            self.policy.check(Access.PREDICT, call.metadata.get("authorization"))
-        except RouterError as exc:
-            refusal = refusal_of(exc)
-            assert refusal is not None
-            await context.abort(refusal.code, refusal.details, refusal.trailing)
+        await check_access(self.policy, Access.PREDICT, call, context)
         async for response in self.inference.stream(frames, context, call):
             yield response
 

@@ -25,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 from router.sdk.images import decode_image
 from router.sdk.plugin import Payload
 from tests.conftest import REPO, RouterProcess, read_records, serve
+from tests.e2e.test_kserve import assert_same
 
 pytestmark = pytest.mark.e2e
 
@@ -174,22 +175,6 @@ def test_errors_carry_the_routers_message_and_code(fleet_server: RouterProcess) 
     item = grpc_error(lambda: triton.infer("resnet18", [two]))
     assert item.status() == "StatusCode.INVALID_ARGUMENT" and item.message().startswith("item 1 of 2: corrupt or truncated image")
     assert grpc_error(lambda: triton.get_log_settings()).status() == "StatusCode.UNIMPLEMENTED"
-
-
-def assert_same(got: Any, expected: Any, where: str = "result") -> None:
-    """Equal structure, labels and ids; floats equal to float32 rounding (batch composition may differ)."""
-    if isinstance(expected, float):
-        assert got == pytest.approx(expected, rel=1e-4, abs=1e-4), where
-    elif isinstance(expected, dict):
-        assert isinstance(got, dict) and got.keys() == expected.keys(), where
-        for key in expected:
-            assert_same(got[key], expected[key], f"{where}.{key}")
-    elif isinstance(expected, list):
-        assert isinstance(got, list) and len(got) == len(expected), where
-        for index, (g, e) in enumerate(zip(got, expected, strict=True)):
-            assert_same(g, e, f"{where}[{index}]")
-    else:
-        assert got == expected, where
 
 
 # -- the repository, streams, overload and deadlines --------------------------------------------------------------

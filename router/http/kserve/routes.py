@@ -1,6 +1,8 @@
 """Open Inference Protocol (KServe V2 REST, Triton's HTTP API) on the router's queues, batching and budget.
 
-Handlers only decode, submit, await and encode; the V2 codec is `router.http.kserve.codec`. Errors on
+Handlers only decode, submit, await and encode; the wire format is `router.http.kserve.codec`, and
+what HTTP and gRPC share (tensors, payloads, repository answers, submission) is
+`router.inference_protocol`. The shared-memory extension's routes are in `shared_memory_routes`. Errors on
 these routes answer in the V2 shape `{"error": "..."}` through this router's own exception
 handler (`encode_error` holds the mapping); the native routes keep `{"detail": ...}`.
 """
@@ -82,7 +84,8 @@ async def model_ready(name: str, request: Request[Any, Any, Any], version: str |
 @post(["/models/{name:str}/infer", "/models/{name:str}/versions/{version:str}/infer"], status_code=200,
       summary="V2 inference: each item of the batch goes through the model's queue and batcher")
 async def infer(name: str, request: Request[Any, Any, Any], version: str | None = None) -> Response[bytes]:
-    """JSON tensors or Triton's binary tensor data extension. Parameters: `timeout` (us), `priority` (1 highest).
+    """JSON tensors, Triton's binary tensor data extension, or system shared memory. Parameters: `timeout` (us),
+    `priority` (1 highest).
     A request is admitted or refused as a whole: its item count against the model's queue before any item is queued."""
     runtime = runtime_of(request)
     model = _model(request, name, version)  # 404 before reading the body
