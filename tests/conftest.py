@@ -41,8 +41,10 @@ class RouterProcess:
         return self.log_path.read_text(encoding="utf-8", errors="replace")
 
     def log_records(self) -> list[dict[str, object]]:
+        """The JSON lines written so far; a last line the writer thread has not finished is left out."""
+        text = self.log()
         records = []
-        for line in self.log().splitlines():
+        for line in text[:text.rfind("\n") + 1].splitlines():
             if line.startswith("{"):
                 records.append(json.loads(line))
         return records
