@@ -8,7 +8,7 @@ TORCH  := torch==2.14.1 torchvision==0.29.1
 CONFIG ?= config/fleet.yaml
 DEMO   := model_store/yolov8n.pt model_store/resnet18.pt
 
-.PHONY: serve test test-tools check gpu-check bench clean
+.PHONY: serve test test-tools check gpu-check bench protos clean
 
 serve: $(VENV)/.serve $(DEMO)
 	$(BIN)/model-router serve --config $(CONFIG)
@@ -40,6 +40,11 @@ gpu-rehearsal: $(VENV)/.test
 # Every contender on every workload, about 7 minutes on 2 cores; see benchmarks/run.py.
 bench: $(VENV)/.test $(VENV)/.ray $(VENV)/.bench $(DEMO) test-tools
 	$(BIN)/python -m benchmarks.run
+
+# The gRPC front's generated module, from router/grpc/protos/grpc_service.proto (grpcio-tools, a
+# test dependency); tests/test_grpc_protos.py fails when the committed module is stale.
+protos: $(VENV)/.test
+	$(BIN)/python scripts/generate_protos.py
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

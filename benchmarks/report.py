@@ -193,6 +193,10 @@ def _scenario_runs(scenarios: dict[str, Any]) -> list[tuple[str, str, str, dict[
         m = scenarios["multiplex"]
         runs += [("multiplex", system, f"4 x ResNet18, {label}, c=16", run)
                  for system in ("router", "ray_serve") for label, run in m[system].items()]
+    if "protocols" in scenarios:  # tritonclient over gRPC and HTTP, side by side
+        p = scenarios["protocols"]
+        runs += [("protocols", f"tritonclient {run['protocol']}",
+                  f"{run['model']} {key.partition('/')[2]}, c={run['concurrency']}", run) for key, run in p["runs"].items()]
     return runs
 
 

@@ -25,7 +25,7 @@ log = logging.getLogger("router.cli")
 def prepare(args: argparse.Namespace) -> tuple[ServerSettings, FleetPlan, AccessPolicy]:
     """Every validation that comes before the port opens, shared by `serve` and `check`: the
     settings, the fleet and its plugins' options and paths, the keys. Raises ConfigError."""
-    overrides = {k: v for k in ("config", "host", "port") if (v := getattr(args, k, None)) is not None}
+    overrides = {k: v for k in ("config", "host", "port", "grpc_port") if (v := getattr(args, k, None)) is not None}
     settings = load_settings(**overrides)
     plan = load_plan(settings.config)
     return settings, plan, access_policy(settings)
@@ -37,8 +37,10 @@ def _refuse(exc: ConfigError) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from router.http.app import create_app
+    from router.grpc.server import grpc_server
+    from router.http.app import Listener, create_app
     from router.http.server import run_server
+    from router.inference_protocol.shared_memory import SharedMemoryRegistry
     from router.logs import configure_logging
     from router.serving.runtime import Runtime
     from router.serving.threads import apply_threads, available_cores, count_threads
@@ -52,9 +54,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     threads = count_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
     apply_threads(threads)
     runtime = Runtime(plan, cpu_workers=threads.cpu_workers, tracing=tracing)
+    shared_memory = SharedMemoryRegistry(settings.shared_memory)
+    listeners: list[Listener] = []
+    if settings.grpc_port:
+        listeners.append(grpc_server(runtime, settings, policy, shared_memory))
     app = create_app(runtime, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
                      access_policy=policy, body_timeout_s=settings.body_timeout_s, max_items=settings.max_items,
-                     trim_memory=settings.trim_memory, tracing=tracing)
+                     trim_memory=settings.trim_memory, shared_memory=shared_memory, listeners=listeners, tracing=tracing)
     log.info(policy.describe())
     log.info("tracing: %s", tracing.describe() if tracing is not None else "off (no OTEL_EXPORTER_OTLP_ENDPOINT)")
     run_server(app, runtime, settings)
@@ -202,6 +208,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, help="fleet YAML (env MODEL_ROUTER_CONFIG)")
     serve.add_argument("--host", help="bind address (env MODEL_ROUTER_HOST)")
     serve.add_argument("--port", type=int, help="port (env MODEL_ROUTER_PORT)")
+    serve.add_argument("--grpc-port", type=int, help="gRPC port, 0 to turn gRPC off (env MODEL_ROUTER_GRPC_PORT, default 8001)")
     serve.set_defaults(func=cmd_serve)
     check = sub.add_parser("check", help="run every validation `serve` runs (fleet, plugin options and paths, "
                                          "MODEL_ROUTER_* settings, keys) and print the resolved plan")

@@ -463,6 +463,11 @@ class ServerSettings(BaseSettings):
     config: Path = Path("config/fleet.yaml")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int = Field(8001, ge=0, le=65535, description="the Open Inference Protocol over gRPC; 0 turns it off")
+    grpc_stream_frames: int = Field(16, ge=1, le=4096, description="frames of one gRPC stream unanswered at once; "
+                                                                     "past that the stream is not read (back-pressure)")
+    shared_memory: Literal["loopback", "any", "off"] = Field(
+        "loopback", description="who may use V2 system shared memory: clients on this host, any client, or none")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "text"] = Field("auto", description="auto: text on a terminal, else JSON lines")
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024)
@@ -485,6 +490,12 @@ class ServerSettings(BaseSettings):
     max_connections: int = Field(1024, ge=1, description="open connections and running requests; more get 503")
     max_items: int = Field(1024, ge=1, description="items in one V2 request (also at most the model's queue size)")
     trim_memory: bool = Field(True, description="hand freed heap memory back to the system after large bodies")
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> ServerSettings:
+        if self.grpc_port and self.grpc_port == self.port:
+            raise ValueError(f"grpc_port {self.grpc_port} is the HTTP port too; give gRPC another port, or 0 to turn it off")
+        return self
 
 
 def load_settings(**overrides: Any) -> ServerSettings:

@@ -1,6 +1,7 @@
 """Error hierarchy: each class carries its HTTP status, its `outcome` label (metrics, logs) and
 its retry hint, so errors map to HTTP in one handler. Where the Open Inference Protocol (KServe
-V2) answers differently, the one table `V2_STATUS` below says so."""
+V2) answers differently, the one table `V2_STATUS` below says so; `GRPC_CODES` maps the same
+statuses to gRPC's codes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Mapping
 from typing import ClassVar, Final
 
 __all__ = [
+    "GRPC_CODES",
     "V2_STATUS",
     "BatchSizeMismatch",
     "ClientDisconnected",
@@ -27,15 +29,18 @@ __all__ = [
     "PayloadTooLarge",
     "PluginValidationError",
     "QueueFull",
+    "RegionNotFound",
     "ReplicaLost",
     "RequestTimeout",
     "RouterError",
     "ShuttingDown",
     "Unauthorized",
+    "Unimplemented",
     "UnknownPlugin",
     "UnsupportedMediaType",
     "brief",
     "clip",
+    "grpc_status",
     "outcome_of",
     "v2_status",
 ]
@@ -108,6 +113,20 @@ class ModelNotFound(RouterError):
     outcome = "not_found"
 
 
+class RegionNotFound(RouterError):
+    """No shared memory region of that name is registered."""
+
+    status_code = 404
+    outcome = "not_found"
+
+
+class Unimplemented(RouterError):
+    """A part of the protocol this server does not serve (CUDA shared memory, trace settings)."""
+
+    status_code = 501
+    outcome = "unsupported"
+
+
 class Overloaded(RouterError):
     """Temporarily unable to take the request; the caller should retry later."""
 
@@ -172,10 +191,13 @@ class BatchSizeMismatch(ModelError):
 #: Where KServe V2 answers with another status than the native API: a deadline that expired
 #: before the input ran is 503 + Retry-After there, as V2 clients expect of a server too busy to
 #: answer in time. A batch that overran its execution timeout stays 504: retrying the same input
-#: may overrun again. Looked up by the error's class, most specific first.
+#: may overrun again. A part of the protocol not served (CUDA shared memory) is 400, as Triton
+#: answers it over HTTP (gRPC's UNIMPLEMENTED comes from the native 501). Looked up by the error's
+#: class, most specific first.
 V2_STATUS: Final[dict[type[RouterError], tuple[int, float | None]]] = {
     ExecutionTimeout: (504, None),
     DeadlineExceeded: (503, 1.0),
+    Unimplemented: (400, None),
 }
 
 
@@ -189,6 +211,27 @@ def v2_status(error: RouterError) -> tuple[int, dict[str, str]]:
                 headers.setdefault("Retry-After", str(max(1, int(retry + 0.999))))
             return status, headers
     return error.status_code, dict(error.headers)
+
+
+#: gRPC's status codes (their names in grpc.StatusCode) for the statuses above: what a gRPC client
+#: sees for each error. An expired deadline is DEADLINE_EXCEEDED (the HTTP native status, not V2's
+#: 503), and a 503's retry hint travels in trailing metadata (`grpc_status`).
+GRPC_CODES: Final[dict[int, str]] = {
+    400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+    408: "DEADLINE_EXCEEDED", 413: "RESOURCE_EXHAUSTED", 415: "INVALID_ARGUMENT", 499: "CANCELLED",
+    500: "INTERNAL", 501: "UNIMPLEMENTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED",
+}
+
+
+def grpc_status(error: RouterError) -> tuple[str, dict[str, str]]:
+    """The gRPC code name and trailing metadata of an error: `retry-after` (seconds, as the HTTP
+    header) and `grpc-retry-pushback-ms` (read by gRPC's own retry policy) when a retry may succeed
+    (every 503: one second where the error names no time)."""
+    code = GRPC_CODES.get(error.status_code, "UNKNOWN" if error.status_code < 500 else "INTERNAL")
+    retry = error.retry_after_s if error.retry_after_s is not None else (1.0 if error.status_code == 503 else None)
+    if retry is None:
+        return code, {}
+    return code, {"retry-after": str(max(1, int(retry + 0.999))), "grpc-retry-pushback-ms": str(int(retry * 1000))}
 
 
 def outcome_of(error: BaseException) -> str:

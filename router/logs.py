@@ -9,16 +9,24 @@ import contextvars
 import json
 import logging
 import queue
+import re
 import sys
 import time
 from logging.handlers import QueueHandler, QueueListener
 from typing import Any, Literal, TextIO
 
-__all__ = ["JsonFormatter", "LogFormat", "TextFormatter", "configure_logging", "formatter_for", "record_fields",
-           "request_id_var", "trace_id_var"]
+__all__ = ["REQUEST_ID_PATTERN", "JsonFormatter", "LogFormat", "TextFormatter", "configure_logging", "formatter_for",
+           "incoming_or_new", "record_fields", "request_id_var", "trace_id_var"]
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 trace_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("trace_id", default=None)
+#: A request id a client may choose (X-Request-ID, gRPC's x-request-id metadata).
+REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def incoming_or_new(incoming: str | None, new: str) -> str:
+    """The caller's request id when it is sane, else `new`."""
+    return incoming if incoming and REQUEST_ID_PATTERN.match(incoming) else new
 
 # Record attributes that are not fields; uvicorn's `color_message` repeats the message with ANSI codes.
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "color_message"}

@@ -39,13 +39,16 @@ class RouterProcess:
     url: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    grpc_address: str = ""  # host:port of its gRPC endpoint
 
     def log(self) -> str:
         return self.log_path.read_text(encoding="utf-8", errors="replace")
 
     def log_records(self) -> list[dict[str, object]]:
+        """The JSON lines written so far; a last line the writer thread has not finished is left out."""
+        text = self.log()
         records = []
-        for line in self.log().splitlines():
+        for line in text[:text.rfind("\n") + 1].splitlines():
             if line.startswith("{"):
                 records.append(json.loads(line))
         return records
@@ -97,19 +100,20 @@ def serve(
     tmp_path: Path, fleet: str, *, env: dict[str, str] | None = None, wait_ready: bool = True, timeout: float = 90.0,
     memory_limit: int | None = None,
 ) -> Iterator[RouterProcess]:
-    """Write `fleet` to a file, start `python -m router serve` on a free port, wait until ready.
-    With `memory_limit` (bytes of address space, as `prlimit --as`), a regression that makes the
-    server balloon fails its test instead of exhausting the machine."""
+    """Write `fleet` to a file, start `python -m router serve` on a free port (and gRPC on another:
+    never the shared default 8001, which SO_REUSEPORT would let two test servers split), wait until
+    ready. With `memory_limit` (bytes of address space, as `prlimit --as`), a regression that makes
+    the server balloon fails its test instead of exhausting the machine."""
     config = tmp_path / "fleet.yaml"
     config.write_text(fleet, encoding="utf-8")
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     log_path = tmp_path / f"server-{port}.log"
     child_env = {**os.environ, "MODEL_ROUTER_HOST": "127.0.0.1", "MODEL_ROUTER_PORT": str(port),
-                 "MODEL_ROUTER_CONFIG": str(config), **(env or {})}
+                 "MODEL_ROUTER_GRPC_PORT": str(grpc_port), "MODEL_ROUTER_CONFIG": str(config), **(env or {})}
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen([*_limited(memory_limit), sys.executable, "-m", "router", "serve"], cwd=REPO,
                                    env=child_env, stdout=log_file, stderr=subprocess.STDOUT)
-    server = RouterProcess(f"http://127.0.0.1:{port}", process, log_path)
+    server = RouterProcess(f"http://127.0.0.1:{port}", process, log_path, f"127.0.0.1:{child_env['MODEL_ROUTER_GRPC_PORT']}")
     try:
         _wait_for(server, "/health/ready" if wait_ready else "/health/live", timeout)
         yield server

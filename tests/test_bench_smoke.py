@@ -52,3 +52,13 @@ def test_tracing_bench_measures_every_server_and_the_receiver_gets_every_sampled
     results = {"deadline_s": 1.0, "workloads": {}, "tracing_overhead": result}
     assert [t["name"] for t in evaluate(results)] == [
         "no-op at c=32: router CPU per request, tracing off / before tracing (median of rounds)"]
+
+
+def test_the_protocol_comparison_renders_in_the_table() -> None:
+    run = {"model": "resnet18", "protocol": "grpc", "form": "jpeg", "concurrency": 4, "requests": 1, "statuses": {"ok": 1},
+           "throughput_rps": 1.0, "goodput_rps": 1.0, "ok_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0}}
+    results = {"deadline_s": 1.0, "workloads": {}, "scenarios": {"protocols": {"runs": {
+        "grpc/jpeg#0": run, "http/jpeg#0": {**run, "protocol": "http"}},
+        "ratios": {"jpeg": {"throughput_grpc_over_http": 1.0, "p99_grpc_over_http": 1.0}}}}}
+    table = render(results)
+    assert "tritonclient grpc" in table and "tritonclient http" in table and "resnet18 jpeg#0, c=4" in table

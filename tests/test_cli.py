@@ -137,3 +137,14 @@ def test_long_values_and_alias_bombs_give_short_errors(tmp_path: Path, capsys: p
     code, err = check(fleet, capsys)
     assert code == 2 and "models.m.options.hang_on: Input should be a valid string" in err
     assert len(err) < 5000 and time.monotonic() - started < HANG_S, err[:500]  # expanded, it would not end
+
+
+def test_serve_takes_the_grpc_port_from_its_flag(tmp_path: Path) -> None:
+    from router.cli import parser, prepare
+
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text("models:\n  m: {plugin: scripted}\n", encoding="utf-8")
+    settings, _, _ = prepare(parser().parse_args(["serve", "--config", str(fleet), "--grpc-port", "0"]))
+    assert settings.grpc_port == 0
+    settings, _, _ = prepare(parser().parse_args(["serve", "--config", str(fleet), "--port", "9100", "--grpc-port", "9101"]))
+    assert (settings.port, settings.grpc_port) == (9100, 9101)

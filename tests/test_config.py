@@ -256,6 +256,15 @@ def test_server_settings_reject_bad_port(monkeypatch: pytest.MonkeyPatch) -> Non
         ServerSettings()
 
 
+def test_grpc_port_defaults_to_8001_and_must_differ_from_the_http_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MODEL_ROUTER_PORT", "MODEL_ROUTER_GRPC_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert (ServerSettings().grpc_port, ServerSettings(grpc_port=0).grpc_port) == (8001, 0)
+    with pytest.raises(ValidationError, match="grpc_port 9000 is the HTTP port too; give gRPC another port, or 0"):
+        ServerSettings(port=9000, grpc_port=9000)
+    assert ServerSettings(port=0, grpc_port=0).port == 0  # both off or chosen by the system: no clash
+
+
 class LaxOptions(BaseModel):
     """Options without extra="forbid": pydantic alone would drop an unknown key without a word."""
 

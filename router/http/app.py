@@ -6,9 +6,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.datastructures import UploadFile
@@ -33,12 +33,13 @@ from router.http.metrics import RouterMetrics
 from router.http.protocol import PRECHECKED
 from router.http.request_state import TRACE, mark_received, note_error, received_at, request_phases, runtime_of
 from router.http.ui import ui_router
+from router.inference_protocol.shared_memory import SharedMemoryRegistry
 from router.logs import request_id_var, trace_id_var
 from router.sdk.plugin import Payload
 from router.serving.facade import ServingFacade
 from router.tracing.api import RequestSpan, Tracing
 
-__all__ = ["create_app"]
+__all__ = ["Listener", "create_app"]
 
 log = logging.getLogger("router.access")
 #: Predict takes one file; a form of many parts is refused before they are all parsed.
@@ -277,6 +278,14 @@ def _access_line(scope: Scope, status: int, seconds: float) -> None:
 # -- the app --------------------------------------------------------------------------------------
 
 
+class Listener(Protocol):
+    """Another endpoint of this process (the gRPC server), started and stopped by the app's lifespan
+    so that every process that serves the app serves it too."""
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
+
+
 def create_app(
     runtime: ServingFacade,
     *,
@@ -287,28 +296,40 @@ def create_app(
     body_timeout_s: float = 60.0,
     max_items: int = 1024,
     trim_memory: bool = True,
+    shared_memory: SharedMemoryRegistry | None = None,
+    listeners: Sequence[Listener] = (),
     tracing: Tracing | None = None,
 ) -> Litestar:
     """The Litestar app around a runtime (or any serving façade). The runtime starts in the lifespan
-    and loads models in the background. `bound_metrics`: a registry already bound to the runtime, with
-    collectors of its own (the cluster's); by default a fresh one bound here. `tracing`: spans for
-    requests (the runtime makes the batches'), exported until the lifespan ends."""
+    and loads models in the background, then the `listeners` start; they stop after the drain. The
+    app owns `shared_memory` (the V2 regions its clients register; by default a fresh registry) and
+    closes it at shutdown. `bound_metrics`: a registry already bound to the runtime, with collectors
+    of its own (the cluster's); by default a fresh one bound here. `tracing`: spans for requests
+    (the runtime makes the batches'), exported until the lifespan ends."""
     memory = BodyMemory() if trim_memory else None
+    regions = shared_memory if shared_memory is not None else SharedMemoryRegistry()
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         await runtime.start()
         trimmer = asyncio.create_task(memory.trim_after_bursts(), name="trim-memory") if memory else None
+        started: list[Listener] = []
         try:
+            for listener in listeners:
+                await listener.start()
+                started.append(listener)
             yield
         finally:
             if trimmer is not None:
                 trimmer.cancel()
             if not runtime.draining:
                 await runtime.drain(drain_timeout_s)
+            for listener in reversed(started):
+                await listener.stop()
             await runtime.stop()
             if tracing is not None:
                 await asyncio.to_thread(tracing.shutdown)  # exports what is pending, off the loop
+            regions.close()
 
     app = Litestar(
         route_handlers=[predict, list_models, show_model, live, ready, metrics, *ADMIN_ROUTES, v2_router, ui_router],
@@ -327,6 +348,7 @@ def create_app(
     app.state.runtime = runtime
     app.state.tracing = tracing
     app.state.max_items = max_items
+    app.state.shared_memory = regions
     router_metrics = bound_metrics
     if router_metrics is None:
         router_metrics = RouterMetrics()
