@@ -10,15 +10,16 @@ from collections.abc import Mapping
 from typing import ClassVar, Final
 
 __all__ = [
+    "V2_STATUS",
     "BatchSizeMismatch",
     "ClientDisconnected",
     "ConfigError",
     "DeadlineExceeded",
     "DeviceOutOfMemory",
     "ExecutionTimeout",
-    "V2_STATUS",
     "Forbidden",
     "InputError",
+    "InstanceLost",
     "ModelDoesNotFit",
     "ModelError",
     "ModelNotFound",
@@ -130,6 +131,12 @@ class ShuttingDown(Overloaded):
 
 class ModelUnavailable(Overloaded):
     """The model is not loaded, is still warming up, or failed to load."""
+
+
+class InstanceLost(ModelUnavailable):
+    """The process that ran the model's instance died (`isolation: process`); it is restarting."""
+
+    outcome = "instance_lost"
 
 
 class ReplicaLost(Overloaded):

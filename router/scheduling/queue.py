@@ -40,6 +40,9 @@ class Ticket:
     execution_s: float = 0.0
     memory_delta_bytes: int | None = None
     measure: bool = False  # admitted to measure the model (idle, untimed, probe): never dropped as doomed
+    #: Who ran it (the serving layer's instance), set when it is answered: its answer is
+    #: postprocessed by that instance's plugin, which stays loaded until the caller is done with it.
+    answered_by: Any = None
 
 
 def resolve(ticket: Ticket, result: Any) -> None:
