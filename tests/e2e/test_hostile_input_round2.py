@@ -87,7 +87,7 @@ def test_a_lone_surrogate_is_400(server: RouterProcess, where: str) -> None:
 @pytest.mark.parametrize("disposition", [
     b'form-data; name="file"',  # no filename: read as text, and these bytes are not UTF-8
     b"form-data; name=\"file\"; filename*=UTF-8''photo.jpg",  # only the RFC 5987 form
-])
+], ids=["no-filename", "filename-star"])
 def test_a_file_part_without_a_filename_is_400(server: RouterProcess, disposition: bytes) -> None:
     body = b"--b\r\nContent-Disposition: " + disposition + b"\r\n\r\n\xff\xd8\xff\xe0 not text\r\n--b--\r\n"
     answer = httpx.post(server.url + "/models/echo/predict", content=body,
@@ -178,11 +178,11 @@ def test_v2_load_refuses_parameters_it_would_ignore(server: RouterProcess) -> No
 
 @pytest.mark.parametrize(("body", "media_type"), [
     (b"[" * 100_000, "application/json"),
-    (b'{"plugin": "scripted", "options": ' + b'{"a": ' * 200 + b"1" + b"}" * 200 + b"}", "application/json"),
+    (b'{"plugin": "scripted", "options": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5000 + b"}", "application/json"),
     (b"[" * 100_000, "application/yaml"),
-    (b"plugin: scripted\noptions:\n  a: " + b"- " * 5000 + b"x\n", "application/yaml"),
+    (b"plugin: scripted\noptions:\n  a:\n    " + b"- " * 5000 + b"x\n", "application/yaml"),
     (b"plugin: scripted\noptions: {a: \xff\xfe}\n", "application/yaml"),
-])
+], ids=["json-arrays", "json-objects", "yaml-flow", "yaml-block", "yaml-not-utf8"])
 def test_nested_or_non_utf8_admin_bodies_are_400(server: RouterProcess, body: bytes, media_type: str) -> None:
     answer = httpx.put(server.url + "/models/added", content=body, headers={"content-type": media_type})
     assert answer.status_code == 400, answer.text
@@ -193,7 +193,7 @@ def test_nested_or_non_utf8_admin_bodies_are_400(server: RouterProcess, body: by
 @pytest.mark.parametrize("text", [
     b"models:\n  echo: {plugin: scripted, options: {a: " + b"[" * 5000 + b"]" * 5000 + b"}}\n",
     b"models:\n  echo: {plugin: scripted}\n# caf\xe9 in Latin-1\n",
-])
+], ids=["nested", "latin-1"])
 def test_a_nested_or_non_utf8_fleet_file_is_refused_at_reload(server: RouterProcess, text: bytes) -> None:
     fleet = Path(server.log_path).parent / "fleet.yaml"
     good = fleet.read_bytes()
