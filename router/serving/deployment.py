@@ -25,7 +25,6 @@ from router.scheduling.service_time import (
     decide_admission,
     predict_answer,
 )
-from router.sdk.plugin import ModelPlugin
 from router.serving.instance import InstanceState, ModelInstance
 from router.serving.registry import PluginInfo
 
@@ -256,13 +255,9 @@ class Deployment:
                        for i in self.instances)
 
     def front_instance(self) -> ModelInstance:
-        """The instance whose plugin preprocesses an input: a serving one, if any."""
+        """The instance whose plugin preprocesses an input: a serving one, if any. (Its answer is
+        postprocessed by the instance that ran its batch.)"""
         return next((i for i in self.instances if i.serving), self.instances[0])
-
-    @property
-    def front(self) -> ModelPlugin:  # type: ignore[type-arg]
-        """The plugin object that preprocesses and postprocesses: a serving instance's, if any."""
-        return self.front_instance().plugin
 
     @property
     def budget_bytes(self) -> int | None:

@@ -17,7 +17,6 @@ import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -27,7 +26,6 @@ from router.config import FleetConfig
 from router.errors import (
     DeadlineExceeded,
     InstanceLost,
-    ModelError,
     ModelUnavailable,
     RouterError,
     ShuttingDown,
@@ -36,11 +34,12 @@ from router.errors import (
 from router.scheduling.probes import MemoryProbe, make_probe
 from router.scheduling.queue import ModelQueue, Ticket, reject
 from router.scheduling.scheduler import DeviceScheduler
-from router.sdk.plugin import ModelPlugin, Payload, PluginContext
+from router.sdk.plugin import Payload, PluginContext
 from router.serving.changes import FleetChanges, ReloadReport
 from router.serving.checks import check_answer, check_media_type, check_predicted_wait, check_priority, check_timeout
 from router.serving.deployment import Deployment, find_deployment
 from router.serving.fleet import Fleet, UnloadReport
+from router.serving.hooks import HookRunner
 from router.serving.inflight import InFlight
 from router.serving.instance import ModelInstance
 from router.serving.isolation import RemotePlugin
@@ -88,11 +87,7 @@ class Runtime:
         if telemetry is not None:
             self.telemetry.sinks.append(telemetry)
         self._probe_factory = probe_factory
-        workers = cpu_workers or os.cpu_count() or 1
-        self._cpu = ThreadPoolExecutor(workers, thread_name_prefix="router-cpu")
-        # Postprocessing finishes requests: it has threads of its own, so it never queues behind the
-        # preprocessing of new ones (under load that queue made answers late by seconds).
-        self._post = ThreadPoolExecutor(max(1, workers // 2), thread_name_prefix="router-post")
+        self._hooks = HookRunner(cpu_workers or os.cpu_count() or 1)
         self._schedulers: dict[str, DeviceScheduler] = {}
         self._device_errors: dict[str, str] = {}
         self._deployments: dict[str, Deployment] = {}
@@ -299,8 +294,7 @@ class Runtime:
                     except Exception:
                         log.exception("unloading %s failed", instance.key)
                 instance.shutdown()
-        self._cpu.shutdown(wait=False, cancel_futures=True)
-        self._post.shutdown(wait=False, cancel_futures=True)
+        self._hooks.shutdown()
 
     # -- the request path -------------------------------------------------------------------
 
@@ -389,7 +383,8 @@ class Runtime:
             front.begin_use()  # an unload waits until its plugin is done preparing this input
             try:
                 item = await self._before(deadline, deployment, "preparing the input",
-                                          self._hook(deployment, front.plugin, "preprocess", payload))
+                                          self._hooks.run(deployment.name, deployment.plugin.name, front.plugin,
+                                                          "preprocess", payload))
             finally:
                 front.end_use()
             self._check_open()
@@ -406,9 +401,10 @@ class Runtime:
             # The instance that ran the batch postprocesses its answer, and stays loaded until it has.
             plugin = ticket.answered_by.plugin if ticket.answered_by is not None else front.plugin
             result = await self._before(deadline, deployment, "preparing the answer",
-                                        self._hook(deployment, plugin, "postprocess", output, item))
+                                        self._hooks.run(deployment.name, deployment.plugin.name, plugin,
+                                                        "postprocess", output, item))
             check_answer(deployment, result)
-            described = await self._described(plugin, payload, item)
+            described = await self._hooks.described(plugin, payload, item)
         finally:
             self._tickets.discard(ticket)
             if ticket.answered_by is not None:
@@ -477,53 +473,6 @@ class Runtime:
             return await asyncio.wait_for(work, max(0.0, deadline - self.clock()))
         except TimeoutError:
             raise DeadlineExceeded(f"deadline passed while {doing} for model {deployment.name!r}") from None
-
-    async def _on_cpu(self, fn: Callable[..., T], *args: Any, pool: ThreadPoolExecutor | None = None) -> T:
-        """Run fn on the CPU pool. Work whose request was answered (deadline, client gone) before a
-        pool thread picked it up is skipped, not run for nobody."""
-        abandoned = [False]  # a flag, not a threading.Event: set on the loop, read once by the pool thread
-
-        def unless_abandoned() -> T:
-            if abandoned[0]:
-                raise asyncio.CancelledError
-            return fn(*args)
-
-        try:
-            return await asyncio.get_running_loop().run_in_executor(pool or self._cpu, unless_abandoned)
-        except BaseException:
-            abandoned[0] = True
-            raise
-
-    async def _hook(self, deployment: Deployment, plugin: ModelPlugin[Any], hook: str, *args: Any) -> Any:
-        """Run a plugin hook: on the CPU pool, or (`isolation: process`) awaited from its process,
-        holding no thread. Its RouterErrors (InputError...) answer the request; anything else is the
-        plugin's bug: 500, logged once naming plugin, hook and exception."""
-        try:
-            if isinstance(plugin, RemotePlugin):
-                return await plugin.acall(hook, *args)
-            return await self._on_cpu(getattr(plugin, hook), *args, pool=self._post if hook == "postprocess" else None)
-        except RouterError:
-            raise
-        except Exception as exc:
-            name = deployment.plugin.name
-            log.error("model %s: plugin %s raised in %s: %s: %s", deployment.name, name, hook,
-                      type(exc).__name__, exc, exc_info=exc, extra={"model": deployment.name, "plugin": name,
-                                                                      "hook": hook})
-            raise ModelError(
-                f"model {deployment.name!r}: plugin {name!r} failed in {hook}: {type(exc).__name__}: {exc}"
-            ) from None
-
-    async def _described(self, plugin: ModelPlugin[Any], payload: Payload, item: Any) -> dict[str, Any]:
-        """The input's facts for its log line: at once in-process; from the instance's process, awaited
-        (a call there must never block the event loop), and left out if it fails."""
-        if not isinstance(plugin, RemotePlugin):
-            return plugin.describe_input(payload, item)
-        try:
-            described: dict[str, Any] = await plugin.acall("describe_input", payload, item)
-        except (RouterError, RuntimeError) as exc:  # its error, or the plugin's bug as the process reports it
-            log.warning("model %s: describe_input failed: %s", plugin.name, exc, extra={"model": plugin.name})
-            return {}
-        return described
 
     def _notify(self, deployment: Deployment) -> None:
         for device in {i.device for i in deployment.instances}:
