@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import RouterProcess, serve
+from tests.conftest import RouterProcess, liveness_watched, serve
 
 pytestmark = pytest.mark.e2e
 
@@ -158,17 +158,6 @@ def test_a_trailer_never_becomes_a_header(server: RouterProcess) -> None:
 
 
 def test_trailers_count_toward_the_header_limits(server: RouterProcess) -> None:
-    started = time.monotonic()
-    probe_delays: list[float] = []
-    stop = threading.Event()
-
-    def probe() -> None:
-        while not stop.is_set():
-            begun = time.monotonic()
-            assert live(server) == 200
-            probe_delays.append(time.monotonic() - begun)
-            time.sleep(0.05)
-
     def huge_trailer() -> bytes:
         with server.connect() as sock:
             try:
@@ -179,16 +168,13 @@ def test_trailers_count_toward_the_header_limits(server: RouterProcess) -> None:
                 pass
             return read_all(sock)
 
-    prober = threading.Thread(target=probe)
-    prober.start()
     replies: list[bytes] = []
     floods = [threading.Thread(target=lambda: replies.append(huge_trailer())) for _ in range(8)]
-    for flood in floods:
-        flood.start()
-    for flood in floods:
-        flood.join()
-    stop.set()
-    prober.join()
+    with liveness_watched(server) as probes:
+        for flood in floods:
+            flood.start()
+        for flood in floods:
+            flood.join()
     assert len(replies) == 8
     for reply in replies:
         assert statuses(reply) == [431], reply[:300]
@@ -197,7 +183,8 @@ def test_trailers_count_toward_the_header_limits(server: RouterProcess) -> None:
         sock.sendall(PREDICT + AUTH + b"Transfer-Encoding: chunked\r\n\r\n"
                      + chunked(b'{"id": "t"}', b"".join(b"T-%d: v\r\n" % i for i in range(120))))
         assert statuses(read_all(sock)) == [431]
-    assert max(probe_delays) < 3.0, f"liveness stalled {max(probe_delays):.1f} s (the test took {time.monotonic() - started:.1f} s)"
+    assert {probe.status for probe in probes} == {200}
+    assert max(probe.seconds for probe in probes) < 3.0, "liveness stalled"
 
 
 def test_a_request_pipelined_after_a_large_body_is_served(server: RouterProcess) -> None:

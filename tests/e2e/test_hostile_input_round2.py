@@ -9,14 +9,13 @@ from __future__ import annotations
 import gzip
 import json
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import RouterProcess, serve
+from tests.conftest import RouterProcess, liveness_watched, serve
 
 pytestmark = pytest.mark.e2e
 
@@ -108,26 +107,15 @@ def test_eight_20_mb_bodies_of_empty_objects_are_refused_before_parsing(server: 
     body = b'{"inputs": [' + b"{}," * (20 * MB // 3 - 8) + b"{}]}"
     before = server.rss()
     replies: list[httpx.Response] = []
-    live: list[int] = []
-    stop = threading.Event()
-
-    def probe() -> None:
-        while not stop.is_set():
-            live.append(httpx.get(server.url + "/health/live", timeout=30).status_code)
-            time.sleep(0.05)
-
-    prober = threading.Thread(target=probe)
-    prober.start()
     senders = [threading.Thread(target=lambda: replies.append(infer(server, body))) for _ in range(8)]
-    for sender in senders:
-        sender.start()
-    for sender in senders:
-        sender.join()
-    stop.set()
-    prober.join()
+    with liveness_watched(server) as probes:
+        for sender in senders:
+            sender.start()
+        for sender in senders:
+            sender.join()
     assert [r.status_code for r in replies] == [413] * 8, [r.text[:200] for r in replies]
     assert "once parsed" in replies[0].json()["error"]
-    assert live and set(live) == {200}
+    assert {probe.status for probe in probes} == {200}
     assert server.rss() - before < 400 * MB  # the bodies themselves, not 27 times them
     still_serving(server)
     flat = json.dumps({"inputs": [{"name": "JSON", "datatype": "BYTES", "shape": [2],

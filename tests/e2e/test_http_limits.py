@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import RouterProcess, serve
+from tests.conftest import RouterProcess, liveness_watched, serve
 
 pytestmark = pytest.mark.e2e
 
@@ -90,28 +90,17 @@ def a_million_headers() -> Iterator[bytes]:
 
 def test_a_million_headers_are_refused_without_memory_growth(server: RouterProcess) -> None:
     before = server.rss()
-    live_delays: list[float] = []
-    stop = threading.Event()
-
-    def probe_liveness() -> None:
-        while not stop.is_set():
-            started = time.monotonic()
-            assert httpx.get(server.url + "/health/live", timeout=5).status_code == 200
-            live_delays.append(time.monotonic() - started)
-            time.sleep(0.05)
-
-    prober = threading.Thread(target=probe_liveness)
-    prober.start()
     replies: list[bytes] = []
     floods = [threading.Thread(target=lambda: replies.append(
         flood(server, b"GET /health/live HTTP/1.1\r\nHost: x\r\n", a_million_headers()))) for _ in range(8)]
-    for thread in floods:
-        thread.start()
-    for thread in floods:
-        thread.join()
-    stop.set()
-    prober.join()
+    with liveness_watched(server) as probes:
+        for thread in floods:
+            thread.start()
+        for thread in floods:
+            thread.join()
+    live_delays = [probe.seconds for probe in probes]
 
+    assert {probe.status for probe in probes} == {200}
     assert len(replies) == 8
     for reply in replies:
         status, body = status_and_body(reply)
