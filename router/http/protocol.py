@@ -36,6 +36,7 @@ import asyncio
 import json
 import logging
 import socket
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -409,8 +410,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             current.disconnected = True  # the app's answer, if it makes one, goes nowhere
             current.scope["state"][ANSWERED] = refusal.status
             current.message_event.set()
-            if (current, self.app) in self.pipeline:
-                self.pipeline.remove((current, self.app))
+            self.pipeline = deque(queued for queued in self.pipeline if queued[0] is not current)
         self._defer(refusal)
 
     def _defer(self, refusal: _Refused) -> None:
