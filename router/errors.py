@@ -21,6 +21,7 @@ __all__ = [
     "ExecutionTimeout",
     "Forbidden",
     "InputError",
+    "InstanceLost",
     "ModelDoesNotFit",
     "ModelError",
     "ModelNotFound",
@@ -149,6 +150,12 @@ class ShuttingDown(Overloaded):
 
 class ModelUnavailable(Overloaded):
     """The model is not loaded, is still warming up, or failed to load."""
+
+
+class InstanceLost(ModelUnavailable):
+    """The process that ran the model's instance died (`isolation: process`); it is restarting."""
+
+    outcome = "instance_lost"
 
 
 class ReplicaLost(Overloaded):

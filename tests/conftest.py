@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -125,6 +126,39 @@ def serve(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(5)
+
+
+@dataclass(frozen=True)
+class Probe:
+    status: int  # 0: no answer
+    seconds: float
+
+
+@contextmanager
+def liveness_watched(server: RouterProcess, every_s: float = 0.05) -> Iterator[list[Probe]]:
+    """Ask /health/live in a thread, one probe every `every_s`, while the block runs; the probes,
+    for the test to assert on after it (at least one is taken)."""
+    probes: list[Probe] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            while not stop.is_set() or not probes:
+                started = time.monotonic()
+                try:
+                    status = client.get("/health/live").status_code
+                except httpx.HTTPError:
+                    status = 0
+                probes.append(Probe(status, time.monotonic() - started))
+                stop.wait(every_s)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        yield probes
+    finally:
+        stop.set()
+        prober.join()
 
 
 def _limited(memory_limit: int | None) -> list[str]:

@@ -181,7 +181,7 @@ def binary_body(size: int, payload: bytes, *, datatype: str = "FP32", shape: lis
 
 
 @pytest.mark.parametrize(("case", "message"), [
-    (binary_body(8, b"\0" * 8)[0:1] + ("abc",), "Inference-Header-Content-Length must be an integer, got 'abc'"),
+    (binary_body(8, b"\0" * 8)[0:1] + ("abc",), "Inference-Header-Content-Length must be a number of bytes in decimal digits, got 'abc'"),
     (binary_body(8, b"\0" * 8)[0:1] + ("0",), "Inference-Header-Content-Length is 0, but the body has"),
     (binary_body(8, b"\0" * 8)[0:1] + ("100000",), "Inference-Header-Content-Length is 100000, but the body has"),
     (binary_body(8, b"\0" * 8)[0:1] + ("5",), "the first 5 bytes (Inference-Header-Content-Length) must be the JSON"),

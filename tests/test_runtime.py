@@ -186,6 +186,20 @@ async def test_deadline_while_queued_is_504_and_not_run(tmp_path: Path) -> None:
         assert executed(tmp_path / "batches.jsonl") == [["busy"], ["after"]]
 
 
+async def test_a_batch_still_running_at_the_deadline_is_504_then_not_a_late_answer(tmp_path: Path) -> None:
+    """Its batch takes 2 s more than warm-up timed: admitted for a 1 s deadline, it is still running
+    then. The request gets 504 at its deadline; the batch goes on to its end."""
+    record = tmp_path / "batches.jsonl"
+    fleet = ("models:\n  m: {plugin: scripted, options: {hang_on: slow, hang_ms: 2000, "
+             f"record: '{record}'}}, batch: {{max_size: 1}}}}\n")
+    async with running(make_runtime(tmp_path, fleet)) as runtime:
+        with pytest.raises(DeadlineExceeded) as late:
+            await runtime.submit("m", ask("slow"), timeout_ms=1000)
+        assert "while the batch of model 'm' holding this input ran" in late.value.detail
+        await until(lambda: executed(record) == [["slow"]])  # it ran to its end, unanswered
+        assert (await runtime.submit("m", ask("after"), timeout_ms=1000)).output["id"] == "after"
+
+
 async def test_model_error_answers_500_and_keeps_the_model_serving(tmp_path: Path) -> None:
     fleet = """
 models:

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from typing import Any
 
@@ -17,8 +16,10 @@ import yaml
 from litestar import Request, Response, delete, post, put
 from litestar.params import FromPath
 
+from router.config import MAX_CONFIG_DEPTH, nesting_exceeds
 from router.errors import ConfigError, InputError
 from router.http.auth import Access
+from router.http.kserve.bounded_json import loads_bounded
 from router.http.request_state import runtime_of
 
 __all__ = ["ADMIN_ROUTES"]
@@ -69,12 +70,20 @@ def _section(body: bytes, media_type: str) -> dict[str, Any]:
         raise InputError("the body is empty; send the model's fleet-file section, e.g. {\"plugin\": \"resnet\", ...}")
     if len(body) > MAX_SECTION_BYTES:
         raise InputError(f"a model's section is at most {MAX_SECTION_BYTES} bytes")
-    try:
-        data = json.loads(body) if "json" in media_type else yaml.safe_load(body)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise InputError(f"the body is not valid {'JSON' if 'json' in media_type else 'YAML'}: {str(exc)[:200]}") from None
+    too_deep = InputError(f"a model's section nests mappings and lists more than {MAX_CONFIG_DEPTH} levels deep")
+    if "json" in media_type:
+        data = loads_bounded(body, "the body", expected="valid JSON", limit=MAX_CONFIG_DEPTH)
+    else:
+        try:
+            data = yaml.safe_load(body)
+        except RecursionError:
+            raise too_deep from None
+        except (ValueError, yaml.YAMLError) as exc:
+            raise InputError(f"the body is not valid YAML (UTF-8 text): {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise InputError(f"a model's section must be a mapping like {{\"plugin\": ...}}, got {type(data).__name__}")
+    if nesting_exceeds(data, MAX_CONFIG_DEPTH):
+        raise too_deep
     return data
 
 

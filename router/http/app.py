@@ -26,11 +26,12 @@ from router.http.answers import error_body
 from router.http.auth import Access, AccessPolicy, access_guard
 from router.http.disconnect import run_unless_disconnected
 from router.http.headers import announced_length, incoming_or_new, number_header, priority_header
+from router.http.kserve.bounded_json import lone_surrogate
 from router.http.kserve.routes import v2_error_response, v2_router
 from router.http.memory import BodyMemory
 from router.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.http.metrics import RouterMetrics
-from router.http.protocol import PRECHECKED
+from router.http.protocol import ANSWERED, PRECHECKED
 from router.http.request_state import TRACE, mark_received, note_error, received_at, request_phases, runtime_of
 from router.http.ui import ui_router
 from router.inference_protocol.shared_memory import SharedMemoryRegistry
@@ -49,6 +50,11 @@ MULTIPART_PART_LIMIT = 16
 # -- request decoding -----------------------------------------------------------------------------
 
 
+#: A multipart part Litestar reads as text, not as a file: it has no `filename` parameter.
+NOT_A_FILE = ("multipart field 'file' is not a file part: its Content-Disposition needs a filename, as in "
+              "form-data; name=\"file\"; filename=\"photo.jpg\" (a filename*= alone is not read)")
+
+
 async def _form(request: Request[Any, Any, Any]) -> Any:
     try:
         return await request.form()
@@ -57,6 +63,8 @@ async def _form(request: Request[Any, Any, Any]) -> Any:
             raise InputError(f"the multipart body has more than {MULTIPART_PART_LIMIT} parts; "
                              "send the input as one field named 'file'") from None
         raise InputError(f"the multipart body is malformed: {exc.detail}") from None
+    except (UnicodeDecodeError, LookupError):  # a part without a filename is decoded as text, in its charset
+        raise InputError(f"{NOT_A_FILE}; a text part must be text in its charset") from None
 
 
 async def _payload(request: Request[Any, Any, Any]) -> Payload:
@@ -65,6 +73,8 @@ async def _payload(request: Request[Any, Any, Any]) -> Payload:
     if media_type.lower().startswith("multipart/form-data"):
         form = await _form(request)
         upload = form.get("file")
+        if isinstance(upload, str):
+            raise InputError(NOT_A_FILE)
         if not isinstance(upload, UploadFile):
             fields = ", ".join(brief(key, 40) for key in sorted(form.keys())[:8]) or "none"
             raise InputError(f"multipart body needs a file field named 'file'; got fields: {fields}")
@@ -75,9 +85,16 @@ async def _payload(request: Request[Any, Any, Any]) -> Payload:
         payload = Payload(body, upload.content_type if declared else "application/octet-stream", upload.filename)
     else:
         payload = Payload(await request.body(), media_type)
+        if _is_json(media_type) and (surrogate := lone_surrogate(payload.body)) is not None:
+            raise InputError(f"the JSON body holds a lone surrogate ({surrogate}), which is not Unicode text")
     if not payload.body:
         raise InputError("the request body is empty; send an image as the body or as multipart field 'file'")
     return payload
+
+
+def _is_json(media_type: str) -> bool:
+    media = media_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
 
 
 # -- handlers -------------------------------------------------------------------------------------
@@ -272,7 +289,11 @@ def _read_body_by(receive: Receive, timeout_s: float, memory: BodyMemory | None)
 
 
 def _access_line(scope: Scope, status: int, seconds: float) -> None:
-    access_line(str(scope.get("method")), scope.get("path", ""), status, seconds, scope.get("state", {}).get("access"))
+    """The request's line, with the status the client saw: the connection's, if it answered the
+    request while the app held it (`router.http.protocol`)."""
+    state = scope.get("state", {})
+    access_line(str(scope.get("method")), scope.get("path", ""), state.get(ANSWERED, status), seconds,
+                state.get("access"))
 
 
 # -- the app --------------------------------------------------------------------------------------

@@ -77,15 +77,17 @@ class DrainingServer(uvicorn.Server):
 
 def run_server(app: Litestar, runtime: ServingFacade, settings: ServerSettings) -> None:
     """Serve `app` until a signal: HTTP/1.1 with the header, count and read-time limits of the
-    settings (`router.http.protocol`), at most `max_connections` connections and running requests,
-    and predict requests that will be refused answered from their headers (`router.http.early`)."""
+    settings (`router.http.protocol`), `max_connections` open connections (the longest-idle one
+    closed for a new one) and running requests, and predict requests that will be refused answered
+    from their headers (`router.http.early`). uvicorn's own `limit_concurrency` is off: it counts
+    idle connections too, and refuses liveness with the rest."""
     limits = HttpLimits(max_header_bytes=settings.max_header_bytes, max_headers=settings.max_headers,
-                        header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s)
+                        header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
+                        max_connections=settings.max_connections, max_requests=settings.max_connections)
     protocol = guarded_protocol(limits, EarlyRefusals(runtime, app.state.access_policy, app.state.tracing))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=5, access_log=False, http=protocol,
-                            ws="none", timeout_keep_alive=settings.keep_alive_s,
-                            limit_concurrency=settings.max_connections)
+                            ws="none", timeout_keep_alive=settings.keep_alive_s)
     server = DrainingServer(config, runtime, settings.drain_timeout_s)
     log.info("serving %s on http://%s:%d", settings.config, settings.host, settings.port)
     server.run()

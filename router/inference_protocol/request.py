@@ -140,7 +140,8 @@ def router_priority(priority: int | None, levels: int) -> int | None:
     if priority is None:
         return None
     if priority > levels:
-        raise InputError(f"parameter 'priority' must be 0 (the default) or 1..{levels} (1 is the highest), got {priority}")
+        raise InputError(f"parameter 'priority' must be 0 (the default) or 1..{levels} (1 is the highest), "
+                         f"got {brief(priority, 40)}")
     return levels + 1 - priority
 
 

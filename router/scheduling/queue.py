@@ -45,6 +45,9 @@ class Ticket:
     trace: SpanRef | None = None  # the sampled request's span, which its batch span links to
     batch_trace: SpanRef | None = None  # the batch span it rode, which its execute phase links to
     finished_at: float | None = None  # when its batch (or its part of a split batch) ended
+    #: Who ran it (the serving layer's instance), set when it is answered: its answer is
+    #: postprocessed by that instance's plugin, which stays loaded until the caller is done with it.
+    answered_by: Any = None
 
 
 def resolve(ticket: Ticket, result: Any) -> None:

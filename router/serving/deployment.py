@@ -25,7 +25,6 @@ from router.scheduling.service_time import (
     deadline_gate,
     predict_answer,
 )
-from router.sdk.plugin import ModelPlugin
 from router.serving.instance import InstanceState, ModelInstance
 from router.serving.registry import PluginInfo
 
@@ -62,6 +61,8 @@ class Residency:
     held_down: bool = False  # an operator's unload: not loaded again until an operator loads it
     never_fits: str | None = None
     load_error: str | None = None
+    lost: str | None = None  # why an instance's process died, until it serves again (it is restarted)
+    restarts: int = 0  # instances restarted after their process died
     retry_at: float = 0.0  # no new load of a failing on-demand model before this
     retry_s: float = LOAD_RETRY_S
     cold_start_s: float | None = None  # the last successful load's duration
@@ -114,7 +115,7 @@ class Deployment:
         res = self.residency
         if res.held_down or res.never_fits is not None or now < res.retry_at:
             return False
-        return res.held or (self.on_demand and (res.holders > 0 or bool(res.waiting)))
+        return res.held or res.lost is not None or (self.on_demand and (res.holders > 0 or bool(res.waiting)))
 
     def occupant(self, runner: Runner, now: float) -> Occupant:
         """An instance of this model as its device's residency planner sees it."""
@@ -248,13 +249,10 @@ class Deployment:
         return not any(i.state in (InstanceState.PENDING, InstanceState.LOADING, InstanceState.WARMING)
                        for i in self.instances)
 
-    @property
-    def front(self) -> ModelPlugin:  # type: ignore[type-arg]
-        """The plugin object that preprocesses and postprocesses: a serving instance's, if any."""
-        for instance in self.instances:
-            if instance.serving:
-                return instance.plugin
-        return self.instances[0].plugin
+    def front_instance(self) -> ModelInstance:
+        """The instance whose plugin preprocesses an input: a serving one, if any. (Its answer is
+        postprocessed by the instance that ran its batch.)"""
+        return next((i for i in self.instances if i.serving), self.instances[0])
 
     @property
     def budget_bytes(self) -> int | None:

@@ -23,6 +23,7 @@ from router.errors import (
     DeviceOutOfMemory,
     ExecutionTimeout,
     ModelError,
+    ModelUnavailable,
 )
 from router.scheduling.queue import Ticket, reject, resolve
 from router.scheduling.service_time import BatchTime, InstanceLoad
@@ -52,8 +53,8 @@ TRANSITIONS: dict[InstanceState, frozenset[InstanceState]] = {
     _S.PENDING: frozenset({_S.LOADING, _S.FAILED, _S.UNLOADED}),
     _S.LOADING: frozenset({_S.WARMING, _S.FAILED, _S.UNLOADING}),
     _S.WARMING: frozenset({_S.READY, _S.FAILED, _S.UNLOADING}),
-    _S.READY: frozenset({_S.FENCED, _S.DRAINING, _S.UNLOADING}),
-    _S.FENCED: frozenset({_S.READY, _S.DRAINING, _S.UNLOADING}),
+    _S.READY: frozenset({_S.FENCED, _S.DRAINING, _S.UNLOADING, _S.FAILED}),  # failed: its process died
+    _S.FENCED: frozenset({_S.READY, _S.DRAINING, _S.UNLOADING, _S.FAILED}),
     _S.DRAINING: frozenset({_S.READY, _S.UNLOADING}),
     _S.UNLOADING: frozenset({_S.UNLOADED, _S.FAILED}),
     _S.UNLOADED: frozenset({_S.LOADING, _S.UNLOADED}),
@@ -117,6 +118,9 @@ class ModelInstance:
         self._on_batch = on_batch
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.key}")
         self._inflight: asyncio.Future[Any] | None = None
+        self._uses = 0  # hooks running on its plugin (pre- and postprocessing), and answers not yet postprocessed
+        self._unused = asyncio.Event()
+        self._unused.set()
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -153,6 +157,11 @@ class ModelInstance:
     def fail(self, error: str, cause: BaseException | None = None) -> None:
         self.error, self.cause = error, cause
         self._move(InstanceState.FAILED, error)
+
+    def lose(self, why: str) -> None:
+        """Out of service for good: what ran the model is gone (its process died)."""
+        self.estimate = None
+        self.fail(why)
 
     def fence(self, why: str) -> None:
         """Out of service until its thread returns (a batch overran its execution timeout)."""
@@ -207,6 +216,21 @@ class ModelInstance:
         """Return once no batch runs on this instance (the scheduler has released it)."""
         await self._idle.wait()
 
+    def begin_use(self) -> None:
+        """A hook is about to run on this instance's plugin, or an answer awaits its postprocessing:
+        an unload waits for `end_use` (`until_unused`)."""
+        self._uses += 1
+        self._unused.clear()
+
+    def end_use(self) -> None:
+        self._uses -= 1
+        if self._uses == 0:
+            self._unused.set()
+
+    async def until_unused(self) -> None:
+        """Return once no hook runs on this instance's plugin and every answer it gave is postprocessed."""
+        await self._unused.wait()
+
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on this instance's thread (loading, warm-up, profiling)."""
         loop = asyncio.get_running_loop()
@@ -235,7 +259,7 @@ class ModelInstance:
         """Predict; on out-of-memory free the cache and retry each half; one item that still fails gets 503."""
         try:
             outputs, elapsed = await self._predict(tickets)
-        except ExecutionTimeout as exc:
+        except (ExecutionTimeout, ModelUnavailable) as exc:  # fenced, or its process is gone: answered as is
             for ticket in tickets:
                 reject(ticket, exc)
             return
@@ -266,7 +290,10 @@ class ModelInstance:
         for ticket, output in zip(tickets, outputs):
             ticket.batch_size = len(tickets)
             ticket.execution_s = elapsed
-            resolve(ticket, output)
+            if not ticket.future.done():  # its caller postprocesses it with this plugin, then ends the use
+                ticket.answered_by = self
+                self.begin_use()
+                resolve(ticket, output)
 
     async def _predict(self, tickets: Sequence[Ticket]) -> tuple[Sequence[Any], float]:
         """Run the tickets' items on the instance's thread; each ticket learns when its batch ended."""

@@ -19,7 +19,8 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.errors import ModelDoesNotFit, ModelUnavailable
+from router.errors import InstanceLost, ModelDoesNotFit, ModelUnavailable
+from router.scheduling.queue import reject
 from router.scheduling.scheduler import DeviceScheduler
 from router.serving.deployment import Deployment
 from router.serving.instance import InstanceState, ModelInstance
@@ -116,6 +117,35 @@ class ResidencyExecutor:
         self.telemetry.observe_eviction(deployment.name, instance.device, kind)
         self._spawn(self.unload_instance(deployment, instance, f"{kind}: {detail}"), f"unload-{runner_key}")
 
+    def instance_lost(self, runner_key: str, why: str) -> None:
+        """An instance in service lost its process: fail it and give back its weights; with no other
+        instance serving, answer its queue 503. An always-resident model is loaded again by residency
+        (`Deployment.wanted`); an on-demand one with its next request."""
+        try:
+            deployment, instance = self._find(runner_key)
+        except KeyError:
+            return
+        if not instance.serving:  # loading, warming or unloading: that work fails or ends by itself
+            return
+        instance.lose(why)
+        scheduler = self._schedulers.get(instance.device)
+        if scheduler is not None:
+            scheduler.release_weights(instance)
+        res = deployment.residency
+        res.restarts += 1
+        if not deployment.on_demand:
+            res.lost = why
+        if not deployment.serving:
+            retry = InstanceLost(f"model {deployment.name!r}: {why}; it is restarting",
+                                 retry_after_s=self.load_left_s(deployment))
+            for ticket in deployment.queue.withdraw_all():
+                reject(ticket, retry)
+        log.error("model %s instance %d: %s; %s", deployment.name, instance.index, why,
+                  "loading it again" if res.lost else "it loads again on demand",
+                  extra={"model": deployment.name, "instance": instance.key})
+        res.pulse()
+        self.notify(deployment)
+
     def cannot_load(self, runner_key: str, reason: str) -> None:
         deployment, _ = self._find(runner_key)
         if deployment.residency.never_fits is None:
@@ -145,7 +175,7 @@ class ResidencyExecutor:
             res.loads += 1
             res.cold_start_s = seconds
             res.last_load_at = time.time()
-            res.load_error, res.retry_s = None, 2.0
+            res.load_error, res.retry_s, res.lost = None, 2.0, None
         elif instance.state is InstanceState.UNLOADED:  # sized now; waits for room
             pass
         elif isinstance(instance.cause, ModelDoesNotFit):  # sized now: it never fits here
@@ -175,7 +205,7 @@ class ResidencyExecutor:
                     raise ModelUnavailable(
                         f"model {deployment.name!r} is still loading after {(self._clock() - started) * 1000:.0f} ms, "
                         "past this request's deadline; retry shortly",
-                        retry_after_s=self._load_left_s(deployment),
+                        retry_after_s=self.load_left_s(deployment),
                     )
                 changed = res.changed
                 try:
@@ -200,11 +230,12 @@ class ResidencyExecutor:
             raise ModelUnavailable(f"model {deployment.name!r} failed to load: {res.load_error}",
                                    retry_after_s=res.retry_at - self._clock())
 
-    def _load_left_s(self, deployment: Deployment) -> float:
+    def load_left_s(self, deployment: Deployment) -> float:
+        """Seconds until the model's load is expected to end (at least 1: a Retry-After)."""
         res = deployment.residency
         expected = res.cold_start_s or 1.0
         if res.load_started_at is None:
-            return expected
+            return max(1.0, expected)
         return max(1.0, res.load_started_at + expected - self._clock())
 
     # -- unloading ----------------------------------------------------------------------------
@@ -217,6 +248,11 @@ class ResidencyExecutor:
             instance.begin_drain()
         await instance.until_batch_done()
         await instance.wait_idle()  # a stalled batch's thread too
+        try:  # hooks running on its plugin, and answers it gave that are not yet postprocessed
+            await asyncio.wait_for(instance.until_unused(), instance.execution_timeout_s)
+        except TimeoutError:
+            log.warning("model %s instance %d: unloading with pre- or postprocessing still running on it after %.1f s",
+                        deployment.name, instance.index, instance.execution_timeout_s, extra={"model": deployment.name})
         booked = instance.estimate.weights_bytes if instance.estimate else 0
         before = scheduler.read_now() if scheduler is not None else None
         instance.begin_unload()

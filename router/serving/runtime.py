@@ -17,15 +17,15 @@ import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
 from router.config import FleetConfig
 from router.errors import (
     DeadlineExceeded,
-    ModelError,
+    InstanceLost,
     ModelUnavailable,
     RouterError,
     ShuttingDown,
@@ -38,6 +38,7 @@ from router.sdk.plugin import Payload, PluginContext
 from router.serving.checks import check_answer, check_deadline_gate, check_media_type, check_priority, check_timeout
 from router.serving.deployment import Deployment, find_deployment
 from router.serving.editor import FleetEditor, ReloadReport
+from router.serving.hooks import HookRunner
 from router.serving.inflight import InFlight
 from router.serving.instance import ModelInstance
 from router.serving.isolation import RemotePlugin
@@ -90,7 +91,7 @@ class Runtime:
         if telemetry is not None:
             self.telemetry.sinks.append(telemetry)
         self._probe_factory = probe_factory
-        self._cpu = ThreadPoolExecutor(cpu_workers or os.cpu_count() or 1, thread_name_prefix="router-cpu")
+        self._hooks = HookRunner(cpu_workers or os.cpu_count() or 1)
         self._schedulers: dict[str, DeviceScheduler] = {}
         self._device_errors: dict[str, str] = {}
         self._deployments: dict[str, Deployment] = {}
@@ -99,6 +100,7 @@ class Runtime:
         self._draining = False
         self._closed = False
         self._load_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._plugin_extra = dict(plugin_extra or {})
         self._residency = ResidencyExecutor(self._deployments, self._schedulers, self.telemetry, self.clock)
         for name in self.plan.models:
@@ -114,22 +116,36 @@ class Runtime:
         queue = ModelQueue(name, max_size=config.queue.max_size, priority_levels=config.queue.priority_levels)
         deployment = Deployment(name, config, model_plan.plugin, model_plan.options, queue, generation=generation)
         context = PluginContext(name, fleet.model_store, fleet.allow_absolute_paths, dict(self._plugin_extra))
+        timeout_s = config.execution.timeout_ms / 1000.0
         for index, device in enumerate(config.instance_devices):
             cls = model_plan.plugin.cls
-            plugin = (RemotePlugin(cls, model_plan.options, context) if config.isolation == "process"
-                      else cls(model_plan.options, context))
+            plugin = (RemotePlugin(cls, model_plan.options, context, call_timeout_s=timeout_s)
+                      if config.isolation == "process" else cls(model_plan.options, context))
             instance = ModelInstance(
                 name, index, device, plugin,
-                execution_timeout_s=config.execution.timeout_ms / 1000.0,
+                execution_timeout_s=timeout_s,
                 on_batch=self.telemetry.observe_batch,
                 clock=self.clock,
                 generation=generation,
             )
+            if isinstance(plugin, RemotePlugin):
+                plugin.on_exit = partial(self._instance_exited, instance.key)
             deployment.instances.append(instance)
         return deployment
 
+    def _instance_exited(self, key: str, why: str) -> None:
+        """An instance's process died (told from its reader thread): the fleet fails and restarts it."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._residency.instance_lost, key, why)
+        except RuntimeError:  # the loop is closed: the server is stopping
+            pass
+
     async def start(self) -> None:
         """Start the device schedulers and begin loading models in the background."""
+        self._loop = asyncio.get_running_loop()
         for device, config in self.fleet.devices.items():
             try:
                 probe = self._probe_factory(device, config.probe)
@@ -282,7 +298,7 @@ class Runtime:
                     except Exception:
                         log.exception("unloading %s failed", instance.key)
                 instance.shutdown()
-        self._cpu.shutdown(wait=False, cancel_futures=True)
+        self._hooks.shutdown()
 
     # -- the request path -------------------------------------------------------------------
 
@@ -374,8 +390,14 @@ class Runtime:
                 self.telemetry.observe_cold_wait(deployment.name, waited)
             if trace is not None:
                 trace.enter("preprocess", self.clock())
-            plugin = deployment.front
-            item = await self._before(deadline, deployment, self._hook(deployment, "preprocess", plugin.preprocess, payload))
+            front = deployment.front_instance()
+            front.begin_use()  # an unload waits until its plugin is done preparing this input
+            try:
+                item = await self._before(deadline, deployment, "preparing the input",
+                                          self._hooks.run(deployment.name, deployment.plugin.name, front.plugin,
+                                                          "preprocess", payload))
+            finally:
+                front.end_use()
             self._check_open()
             future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             ticket = Ticket(request_id, item, level, self.clock(), deadline, future, len(payload.body), measure=measure,
@@ -389,24 +411,32 @@ class Runtime:
         self._tickets.add(ticket)
         try:
             self._notify(deployment)
-            output = await self._await_ticket(deployment, ticket, deadline - started)
-        except BaseException as exc:
+            try:
+                output = await self._await_ticket(deployment, ticket, deadline - started)
+            except BaseException as exc:
+                if trace is not None:
+                    trace_execution(trace, ticket, self.clock(), exc)
+                raise
             if trace is not None:
-                trace_execution(trace, ticket, self.clock(), exc)
-            raise
+                trace_execution(trace, ticket, self.clock())
+            # The instance that ran the batch postprocesses its answer, and stays loaded until it has.
+            plugin = ticket.answered_by.plugin if ticket.answered_by is not None else front.plugin
+            result = await self._before(deadline, deployment, "preparing the answer",
+                                        self._hooks.run(deployment.name, deployment.plugin.name, plugin,
+                                                        "postprocess", output, item))
+            check_answer(deployment, result)
+            described = await self._hooks.described(plugin, payload, item)
         finally:
             self._tickets.discard(ticket)
-        if trace is not None:
-            trace_execution(trace, ticket, self.clock())
-        result = await self._hook(deployment, "postprocess", plugin.postprocess, output, item)
-        check_answer(deployment, result)
+            if ticket.answered_by is not None:
+                ticket.answered_by.end_use()
         if ticket.dispatched_at is not None:  # batch end to answer: what the deadline gate adds after a batch
             now = self.clock()
             deployment.lag.observe(max(0.0, now - ticket.dispatched_at - ticket.execution_s), now)
         wait = (ticket.dispatched_at or ticket.arrived_at) - ticket.arrived_at
         self.telemetry.observe_queue_wait(deployment.name, wait)
         return Answer(request_id, deployment.name, result, wait, ticket.batch_size, ticket.execution_s,
-                      ticket.memory_delta_bytes, plugin.describe_input(payload, item))
+                      ticket.memory_delta_bytes, described)
 
     def _free_at(self, now: float) -> dict[str, float]:
         """When each device can next start a batch (now, unless all its batch slots are taken)."""
@@ -427,11 +457,15 @@ class Runtime:
             return
         if deployment.residency.held_down:
             self._residency.check_loadable(deployment)
+        if deployment.residency.lost is not None:
+            raise InstanceLost(f"model {deployment.name!r} is restarting: {deployment.residency.lost}",
+                               retry_after_s=self._residency.load_left_s(deployment))
         reason = f": {deployment.error}" if deployment.error else ""
         raise ModelUnavailable(f"model {deployment.name!r} is {deployment.state.value}{reason}", retry_after_s=5.0)
 
     async def _await_ticket(self, deployment: Deployment, ticket: Ticket, budget_s: float) -> Any:
-        """Wait for the ticket's batch. A ticket still queued at its deadline is withdrawn and gets 504 then."""
+        """Wait for the ticket's batch, up to its deadline: then a ticket still queued is withdrawn (it
+        never runs), and one whose batch is running gets 504 all the same; no answer comes late."""
         try:
             remaining = max(0.0, ticket.deadline - self.clock())
             try:
@@ -444,49 +478,22 @@ class Runtime:
                     )
                     ticket.future.cancel()  # resolved: the error goes to the caller directly
                     raise error from None
-                return await ticket.future  # already running: its execution timeout bounds the wait
+                # Running: the deadline still holds. The batch goes on; this input's answer is dropped.
+                ticket.future.cancel()
+                raise DeadlineExceeded(
+                    f"deadline passed after {budget_s * 1000:.0f} ms while the batch of model {deployment.name!r} "
+                    "holding this input ran"
+                ) from None
         except asyncio.CancelledError:
             deployment.queue.withdraw(ticket)  # the caller went away: never run it
             ticket.future.cancel()
             raise
 
-    async def _before(self, deadline: float, deployment: Deployment, work: Awaitable[T]) -> T:
+    async def _before(self, deadline: float, deployment: Deployment, doing: str, work: Awaitable[T]) -> T:
         try:
             return await asyncio.wait_for(work, max(0.0, deadline - self.clock()))
         except TimeoutError:
-            raise DeadlineExceeded(f"deadline passed while preparing the input for model {deployment.name!r}") from None
-
-    async def _on_cpu(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run fn on the CPU pool. Work whose request was answered (deadline, client gone) before a
-        pool thread picked it up is skipped, not run for nobody."""
-        abandoned = [False]  # a flag, not a threading.Event: set on the loop, read once by the pool thread
-
-        def unless_abandoned() -> T:
-            if abandoned[0]:
-                raise asyncio.CancelledError
-            return fn(*args)
-
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._cpu, unless_abandoned)
-        except BaseException:
-            abandoned[0] = True
-            raise
-
-    async def _hook(self, deployment: Deployment, hook: str, fn: Callable[..., T], *args: Any) -> T:
-        """Run a plugin hook on the CPU pool. Its RouterErrors (InputError...) answer the request;
-        anything else is the plugin's bug: 500, logged once naming plugin, hook and exception."""
-        try:
-            return await self._on_cpu(fn, *args)
-        except RouterError:
-            raise
-        except Exception as exc:
-            plugin = deployment.plugin.name
-            log.error("model %s: plugin %s raised in %s: %s: %s", deployment.name, plugin, hook,
-                      type(exc).__name__, exc, exc_info=exc, extra={"model": deployment.name, "plugin": plugin,
-                                                                      "hook": hook})
-            raise ModelError(
-                f"model {deployment.name!r}: plugin {plugin!r} failed in {hook}: {type(exc).__name__}: {exc}"
-            ) from None
+            raise DeadlineExceeded(f"deadline passed while {doing} for model {deployment.name!r}") from None
 
     def _notify(self, deployment: Deployment) -> None:
         for device in {i.device for i in deployment.instances}:

@@ -69,10 +69,11 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any],
     if header_length is None:
         length = len(body)
     else:
-        try:
-            length = int(header_length.strip())
-        except ValueError:
-            raise InputError(f"{HEADER_LENGTH} must be an integer, got {brief(header_length, 40)}") from None
+        digits = header_length.strip()
+        if not (digits.isascii() and digits.isdigit() and len(digits) <= 18):
+            raise InputError(f"{HEADER_LENGTH} must be a number of bytes in decimal digits, "
+                             f"got {brief(header_length, 40)}")
+        length = int(digits)
         if not 0 < length <= len(body):
             raise InputError(f"{HEADER_LENGTH} is {length}, but the body has {len(body)} bytes")
     where = f"the first {length} bytes ({HEADER_LENGTH})" if header_length is not None else "the body"

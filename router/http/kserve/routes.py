@@ -166,6 +166,8 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
         raise PayloadTooLarge(f"the {name} request body inflates to more than {limit} bytes")
     if not inflater.eof:
         raise InputError(f"the {name} request body is truncated")
+    if inflater.unused_data:
+        raise InputError(f"the {name} request body has {len(inflater.unused_data)} bytes after the end of its stream")
     return data
 
 
@@ -191,6 +193,10 @@ def _ready_flag(body: bytes) -> bool:
 @post("/repository/models/{name:str}/load", status_code=200, summary="V2 model load: load now, keep resident",
       opt={"access": Access.ADMIN})
 async def repository_load(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[bytes]:
+    """Triton's load; its `parameters` (`config`, `file:...`: a configuration to load with) are not
+    supported, and a request that sends them is refused rather than loaded without them."""
+    runtime_of(request).model(name)  # 404 first
+    _no_load_parameters(name, await request.body())
     await runtime_of(request).load_model(name)
     return Response(b"", status_code=200, media_type=MediaType.TEXT)
 
@@ -200,6 +206,17 @@ async def repository_load(name: FromPath[str], request: Request[Any, Any, Any]) 
 async def repository_unload(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[bytes]:
     await runtime_of(request).unload_model(name)
     return Response(b"", status_code=200, media_type=MediaType.TEXT)
+
+
+def _no_load_parameters(name: str, body: bytes) -> None:
+    if not body.strip():
+        return
+    parsed = loads_bounded(body, "the load request", expected='JSON like {"parameters": {}}')
+    parameters = parsed.get("parameters") if isinstance(parsed, dict) else None
+    if parameters:
+        keys = ", ".join(brief(key, 40) for key in list(parameters)[:4]) if isinstance(parameters, dict) else brief(parameters)
+        raise InputError(f"load parameters are not supported (got {keys}); change a model's configuration with "
+                         f"PUT /models/{name}, its fleet-file section")
 
 
 @get(["/models/stats", "/models/{name:str}/stats", "/models/{name:str}/versions/{version:str}/stats"],

@@ -39,6 +39,7 @@ class ScriptedOptions(BaseModel):
     fixed_bytes: int = 0
     load_error: str | None = None
     load_ms: float = Field(0.0, ge=0, description="time load() takes")
+    post_ms: float = Field(0.0, ge=0, description="time postprocess() takes; it fails once the model is unloaded")
     slow_first: int = Field(0, ge=0, description="this many first batches after warm-up cost slow_factor times more")
     slow_factor: float = Field(1.0, ge=1.0, description="a cold start under load: lazy set-up, cold caches, contention")
     record: str | None = None
@@ -52,6 +53,7 @@ class ScriptedPlugin(ModelPlugin[ScriptedOptions]):
         sleep(self.options.load_ms / 1000.0)
         if self.options.load_error:
             raise RuntimeError(self.options.load_error)
+        self.loaded = True
         self.batches = 0
         self.served = 0  # batches other than warm-up
         self.executed: list[list[str]] = []
@@ -89,6 +91,15 @@ class ScriptedPlugin(ModelPlugin[ScriptedOptions]):
         if options.fail == "always" or (options.fail == "marked" and any(i.startswith("fail") for i in items)):
             raise RuntimeError(f"scripted failure in batch {batch}")
         return [{"id": item, "batch": batch} for item in items]
+
+    def postprocess(self, output: Any, item: Any) -> Any:
+        time.sleep(self.options.post_ms / 1000.0)
+        if not getattr(self, "loaded", False):  # as a real model's would: its network is gone
+            raise RuntimeError("model is not loaded")
+        return output
+
+    def unload(self) -> None:
+        self.loaded = False
 
     def _record(self, items: Sequence[str], start: float, end: float) -> None:
         if self.options.record is None:
