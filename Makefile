@@ -8,12 +8,13 @@ TORCH  := torch==2.14.1 torchvision==0.29.1
 CONFIG ?= config/fleet.yaml
 DEMO   := model_store/yolov8n.pt model_store/resnet18.pt
 
-.PHONY: serve test test-tools check gpu-check bench clean
+.PHONY: serve test test-tools check gpu-check bench protos clean
 
 serve: $(VENV)/.serve $(DEMO)
 	$(BIN)/model-router serve --config $(CONFIG)
 
 test: $(VENV)/.test $(VENV)/.ray $(DEMO) test-tools
+	$(BIN)/ruff check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Debian's prometheus (with promtool) and chromium for the operators' view tests; see the script.
@@ -23,12 +24,27 @@ test-tools:
 check: $(VENV)/.serve
 	$(BIN)/model-router check --config $(CONFIG)
 
+# On a GPU machine with this .venv (no wheelhouse): GPU_WHEELS= keeps gpu-check.sh off .whl/.
 gpu-check: $(VENV)/.test $(VENV)/.ray
-	bash scripts/gpu-check.sh
+	GPU_WHEELS= PYTHON=$(BIN)/python bash scripts/gpu-check.sh
+
+# A lent GPU (docs/gpu.md): the wheels its check needs and the machine lacks, into .whl/ (fails above 60 MiB);
+# and the whole check rehearsed here, in a bare environment holding only the machine's packages.
+.PHONY: gpu-wheels gpu-rehearsal
+gpu-wheels: $(VENV)/.test
+	$(BIN)/python -m gpu_check.wheelhouse --out .whl
+
+gpu-rehearsal: $(VENV)/.test
+	$(BIN)/python -m gpu_check.rehearsal --wheelhouse .whl
 
 # Every contender on every workload, about 7 minutes on 2 cores; see benchmarks/run.py.
 bench: $(VENV)/.test $(VENV)/.ray $(VENV)/.bench $(DEMO) test-tools
 	$(BIN)/python -m benchmarks.run
+
+# The gRPC front's generated module, from router/grpc/protos/grpc_service.proto (grpcio-tools, a
+# test dependency); tests/test_grpc_protos.py fails when the committed module is stale.
+protos: $(VENV)/.test
+	$(BIN)/python scripts/generate_protos.py
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,9 +59,10 @@ $(VENV)/.serve: $(VENV)/.torch pyproject.toml plugins/yolo/pyproject.toml plugin
 	$(PIP) install --quiet -e . -e plugins/yolo -e plugins/resnet -e plugins/engines -e plugins/onnx -e plugins/tensorrt
 	touch $@
 
-# The test kit's plugins and the example plugin of docs/plugins.md, each its own distribution.
+# The test kit's plugins and the example plugin of docs/plugins.md, each its own distribution;
+# the tracing extra, whose end-to-end test exports to a receiver in the test.
 $(VENV)/.test: $(VENV)/.serve tests/plugin_dist/pyproject.toml examples/plugin-mean-colour/pyproject.toml
-	$(PIP) install --quiet -e '.[test]' -e tests/plugin_dist -e examples/plugin-mean-colour
+	$(PIP) install --quiet -e '.[test,tracing]' -e tests/plugin_dist -e examples/plugin-mean-colour
 	touch $@
 
 # Ray Serve for the cluster tests (the `ray` extra, an 80 MB wheel). Where it cannot be installed

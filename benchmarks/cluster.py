@@ -119,7 +119,7 @@ def measure(store: Path, scratch: Path, seconds: float) -> dict[str, Any]:
             text = fleet(store, "200MB", ACCEL + NOOP, free_port(), replicas,
                          f"{{accel: {{min: {replicas}, max: {replicas}}}, noop: {{min: 1, max: 1}}}}")
             with deployed(text, scratch) as url:
-                _wait(lambda: copies(url, "accel") == replicas, 60)
+                _wait(lambda url=url, replicas=replicas: copies(url, "accel") == replicas, 60)
                 loadgen(url, accel, "--concurrency", "128", "--duration", "1.5")
                 rates[replicas] = loadgen(url, accel, "--concurrency", "128", "--duration", str(seconds))
                 if replicas == 1:

@@ -101,7 +101,7 @@ async def one(pool: Pool, target: Target, headers: dict[str, str], start: float,
     try:
         status, retry_after = await send(pool, target, headers, timeout_s)
         return Result(target.path, status, time.perf_counter() - start, retry_after)
-    except (TimeoutError, asyncio.TimeoutError):
+    except TimeoutError:
         return Result(target.path, 0, time.perf_counter() - start, False, "timeout")
     except (ConnectionError, asyncio.IncompleteReadError, OSError) as exc:
         return Result(target.path, 0, time.perf_counter() - start, False, type(exc).__name__)

@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -36,7 +37,7 @@ def images() -> dict[str, Payload]:
     """bus.jpg (810x1080), zidane.jpg (1280x720), and a 4032x3024 JPEG made from zidane.jpg."""
     import cv2
 
-    found = {name: Payload(open(ultralytics_asset(name), "rb").read(), "image/jpeg") for name in ("bus.jpg", "zidane.jpg")}
+    found = {name: Payload(Path(ultralytics_asset(name)).read_bytes(), "image/jpeg") for name in ("bus.jpg", "zidane.jpg")}
     bgr = cv2.imdecode(np.frombuffer(found["zidane.jpg"].body, np.uint8), cv2.IMREAD_COLOR)
     large = cv2.resize(bgr, (4032, 3024), interpolation=cv2.INTER_CUBIC)
     found["zidane-4032x3024.jpg"] = Payload(cv2.imencode(".jpg", large, [cv2.IMWRITE_JPEG_QUALITY, 90])[1].tobytes(),

@@ -109,6 +109,13 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
                                detail=f"without {page['without_rps']} rps, with {page['with_page_rps']} rps; "
                                       f"router CPU per request with / without {page['cpu_per_request_ratio']}; "
                                       f"the page's Chromium used {page['browser_cpu_share']} of a core"))
+    tracing = results.get("tracing_overhead", {})
+    if tracing.get("cpu_off_over_before") is not None:
+        cpu = tracing["median_cpu_ms_per_request"]
+        targets.append(_target("no-op at c=32: router CPU per request, tracing off / before tracing (median of rounds)",
+                               tracing["cpu_off_over_before"], 1.03, at_most=True,
+                               detail=f"before {cpu['before']} ms, off {cpu['off']} ms, 1% sampled {cpu.get('1%')} ms, "
+                                      f"all sampled {cpu.get('100%')} ms"))
     return targets + _scenario_targets(results.get("scenarios", {}))
 
 
@@ -186,6 +193,10 @@ def _scenario_runs(scenarios: dict[str, Any]) -> list[tuple[str, str, str, dict[
         m = scenarios["multiplex"]
         runs += [("multiplex", system, f"4 x ResNet18, {label}, c=16", run)
                  for system in ("router", "ray_serve") for label, run in m[system].items()]
+    if "protocols" in scenarios:  # tritonclient over gRPC and HTTP, side by side
+        p = scenarios["protocols"]
+        runs += [("protocols", f"tritonclient {run['protocol']}",
+                  f"{run['model']} {key.partition('/')[2]}, c={run['concurrency']}", run) for key, run in p["runs"].items()]
     return runs
 
 

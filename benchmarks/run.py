@@ -6,7 +6,7 @@ driven by `benchmarks.loadgen` in another: closed loop at saturation, and for Re
 open-loop sweep of 0.5x to 5x the router's measured capacity, each overload point on a fresh
 server so one point's backlog cannot spill into the next. Peak RSS is sampled from the harness
 over the server's whole process tree. Results: benchmarks/results/latest.json, a printed
-table, and benchmarks/results/latest.png.
+table, benchmarks/results/latest.png and, from the same results, docs/performance.md.
 
     python -m benchmarks.run [--quick] [--out benchmarks/results]
 """
@@ -31,6 +31,7 @@ from typing import Any
 import psutil
 
 from benchmarks.browser import Browser, chromium_binary
+from benchmarks.performance_doc import write as write_performance_doc
 from benchmarks.report import evaluate, plot, render
 from benchmarks.residency import run_residency
 from benchmarks.systems import SYSTEMS, RssSampler, Server, request_target, serve
@@ -40,8 +41,8 @@ __all__ = ["Plan", "loadgen", "main"]
 
 DEADLINE_S = 1.0
 OPEN_MULTIPLES = (0.5, 1.0, 2.0, 5.0)
-#: Workloads that run as one module in their own process (they start Ray): name -> module.
-SCENARIOS = {"cluster": "benchmarks.cluster", "multiplex": "benchmarks.multiplex"}
+#: Workloads that run as one module in their own process (Ray's, or the gRPC/HTTP comparison): name -> module.
+SCENARIOS = {"cluster": "benchmarks.cluster", "multiplex": "benchmarks.multiplex", "protocols": "benchmarks.protocols"}
 
 
 @dataclass(frozen=True)
@@ -310,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", action="append", choices=sorted([*WORKLOADS, "residency", *SCENARIOS]),
                         help="default: all")
     parser.add_argument("--skip-page", action="store_true", help="skip throughput with the live page open")
+    parser.add_argument("--skip-tracing", action="store_true", help="skip the cost of tracing (benchmarks/tracing.py)")
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
     scratch = args.out / "scratch"  # fleet files, request bodies and server logs of this run only
@@ -332,6 +334,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_page:
         results["page_overhead"] = page_overhead(args.store.resolve(), scratch, plan)
         print(f"[page] {results['page_overhead']}", flush=True)
+    if not args.skip_tracing:
+        from benchmarks.tracing import tracing_overhead
+
+        results["tracing_overhead"] = tracing_overhead(scratch / "tracing", plan.closed_s, 2 if args.quick else 4,
+                                                       plan.warm_s)
+        print(f"[tracing] {json.dumps(results['tracing_overhead'])[:600]}", flush=True)
     results["targets"] = evaluate(results)
     results["load_average_end"] = [round(x, 2) for x in psutil.getloadavg()]  # other work on the machine shows here
     results["wall_s"] = round(time.monotonic() - started, 1)
@@ -341,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     if "resnet18" in results["workloads"]:
         plot(results, args.out / f"{stem}.png")
     print(f"results: {args.out / (stem + '.json')} ({results['wall_s']} s)")
+    if not args.quick and args.out.resolve() == (REPO / "benchmarks" / "results").resolve():
+        print(f"page: {write_performance_doc(results)}")  # docs/performance.md follows latest.json
     return 0
 
 

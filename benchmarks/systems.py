@@ -48,7 +48,8 @@ def _command(system: str, workload: Workload, port: int, store: Path, scratch: P
     if system == "router":
         config = scratch / f"fleet-{workload.name}.yaml"
         config.write_text(workload.fleet_yaml(store), encoding="utf-8")
-        env |= {"MODEL_ROUTER_HOST": "127.0.0.1", "MODEL_ROUTER_PORT": str(port), "MODEL_ROUTER_CONFIG": str(config)}
+        env |= {"MODEL_ROUTER_HOST": "127.0.0.1", "MODEL_ROUTER_PORT": str(port), "MODEL_ROUTER_CONFIG": str(config),
+                "MODEL_ROUTER_GRPC_PORT": "0"}
         return [sys.executable, "-m", "router", "serve"], env
     module = {"single_queue": "benchmarks.single_queue", "litserve": "benchmarks.litserve_app"}[system]
     return [sys.executable, "-m", module, "--workload", workload.name, "--port", str(port), "--store", str(store)], env
@@ -88,7 +89,8 @@ def serve_router(fleet_yaml: str, scratch: Path, timeout_s: float = 300.0,
     config = scratch / f"fleet-{port}.yaml"
     config.write_text(fleet_yaml, encoding="utf-8")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MODEL_ROUTER_HOST": "127.0.0.1",
-           "MODEL_ROUTER_PORT": str(port), "MODEL_ROUTER_CONFIG": str(config), **(env_extra or {})}
+           "MODEL_ROUTER_PORT": str(port), "MODEL_ROUTER_CONFIG": str(config), "MODEL_ROUTER_GRPC_PORT": "0",
+           **(env_extra or {})}
     with launch("router", [sys.executable, "-m", "router", "serve"], env, port, "/models", "/health/ready",
                 scratch / f"router-fleet-{port}.log", timeout_s) as server:
         yield server
@@ -96,9 +98,9 @@ def serve_router(fleet_yaml: str, scratch: Path, timeout_s: float = 300.0,
 
 @contextmanager
 def launch(system: str, command: list[str], env: dict[str, str], port: int, path: str, health: str,
-           log_path: Path, timeout_s: float) -> Iterator[Server]:
+           log_path: Path, timeout_s: float, cwd: Path = REPO) -> Iterator[Server]:
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log_file, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     server = Server(system, f"http://127.0.0.1:{port}", path, process, log_path)
     try:

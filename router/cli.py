@@ -15,6 +15,7 @@ from router.errors import ConfigError
 from router.http.auth import AccessPolicy, policy_from_settings
 from router.serving.plan import FleetPlan, load_plan
 from router.serving.registry import PluginRegistry
+from router.tracing import tracing_from_environment
 
 __all__ = ["main"]
 
@@ -24,7 +25,7 @@ log = logging.getLogger("router.cli")
 def prepare(args: argparse.Namespace) -> tuple[ServerSettings, FleetPlan, AccessPolicy]:
     """Every validation that comes before the port opens, shared by `serve` and `check`: the
     settings, the fleet and its plugins' options and paths, the keys. Raises ConfigError."""
-    overrides = {k: v for k in ("config", "host", "port", "workers") if (v := getattr(args, k, None)) is not None}
+    overrides = {k: v for k in ("config", "host", "port", "grpc_port", "workers") if (v := getattr(args, k, None)) is not None}
     settings = load_settings(**overrides)
     plan = load_plan(settings.config)
     return settings, plan, access_policy(settings)
@@ -36,14 +37,17 @@ def _refuse(exc: ConfigError) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from router.http.app import create_app
+    from router.grpc.server import grpc_server
+    from router.http.app import Listener, create_app
     from router.http.server import run_server
+    from router.inference_protocol.shared_memory import SharedMemoryRegistry
     from router.logs import configure_logging
     from router.serving.runtime import Runtime
     from router.serving.threads import apply_threads, available_cores, count_threads
 
     try:
         settings, plan, policy = prepare(args)
+        tracing = tracing_from_environment()  # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT turns it on
     except ConfigError as exc:
         return _refuse(exc)
     workers = settings.front_count(available_cores())
@@ -56,11 +60,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
     threads = count_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
     apply_threads(threads)
-    runtime = Runtime(plan, cpu_workers=threads.cpu_workers)
+    runtime = Runtime(plan, cpu_workers=threads.cpu_workers, tracing=tracing)
+    shared_memory = SharedMemoryRegistry(settings.shared_memory)
+    listeners: list[Listener] = []
+    if settings.grpc_port:
+        listeners.append(grpc_server(runtime, settings, policy, shared_memory))
     app = create_app(runtime, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
                      access_policy=policy, body_timeout_s=settings.body_timeout_s, max_items=settings.max_items,
-                     trim_memory=settings.trim_memory)
+                     trim_memory=settings.trim_memory, shared_memory=shared_memory, listeners=listeners, tracing=tracing)
     log.info(policy.describe())
+    log.info("tracing: %s", tracing.describe() if tracing is not None else "off (no OTEL_EXPORTER_OTLP_ENDPOINT)")
     run_server(app, runtime, settings)
     return 0
 
@@ -72,8 +81,12 @@ def access_policy(settings: ServerSettings) -> AccessPolicy:
 def cmd_check(args: argparse.Namespace) -> int:
     try:
         _, plan, _ = prepare(args)
+        tracing = tracing_from_environment()
     except ConfigError as exc:
         return _refuse(exc)
+    if tracing is not None:
+        print(f"model-router: tracing: {tracing.describe()}", file=sys.stderr)
+        tracing.shutdown()
     print(json.dumps(plan.describe(), indent=2))
     print(f"model-router: {plan.source} is valid: {len(plan.models)} model(s) on "
           f"{len(plan.fleet.devices)} device(s)", file=sys.stderr)
@@ -211,6 +224,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, help="fleet YAML (env MODEL_ROUTER_CONFIG)")
     serve.add_argument("--host", help="bind address (env MODEL_ROUTER_HOST)")
     serve.add_argument("--port", type=int, help="port (env MODEL_ROUTER_PORT)")
+    serve.add_argument("--grpc-port", type=int, help="gRPC port, 0 to turn gRPC off (env MODEL_ROUTER_GRPC_PORT, default 8001)")
     serve.add_argument("--workers", type=_workers,
                        help="front processes: 1 (one process), N > 1 (N HTTP fronts and one engine) or auto "
                             "(env MODEL_ROUTER_WORKERS; default auto: a front per core, 1 on 2 cores or fewer)")

@@ -33,13 +33,13 @@ __all__ = [
     "BatchPolicy",
     "ClusterConfig",
     "CopiesConfig",
-    "FrontConfig",
-    "NodeTypeConfig",
     "DeviceConfig",
     "ExecutionConfig",
     "FleetConfig",
+    "FrontConfig",
     "MemoryConfig",
     "ModelConfig",
+    "NodeTypeConfig",
     "QueueConfig",
     "ServerSettings",
     "WarmupConfig",
@@ -47,11 +47,18 @@ __all__ = [
     "format_validation_error",
     "load_fleet",
     "load_settings",
+    "nesting_exceeds",
     "resolve_workers",
     "validation_problems",
 ]
 
-MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+#: A model's name, whole (matched with re.fullmatch: `$` would also match before a final newline).
+MODEL_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"
+#: Instances of one model (entries of its `devices`): each is a thread, a plugin object and, with
+#: isolation: process, a process.
+MAX_INSTANCES = 64
+#: Mappings and lists inside one another in a fleet file or a model's section.
+MAX_CONFIG_DEPTH = 32
 SECRET_KEYS = {"api_keys", "admin_keys"}
 #: A key whose value an error message never shows: it may hold a secret.
 SECRET_LOOKING = re.compile(r"key|secret|token|passw|credential|auth", re.IGNORECASE)
@@ -152,7 +159,8 @@ class ModelConfig(_Strict):
 
     plugin: str = Field(min_length=1)
     device: str | None = Field(None, description="shorthand for devices: [device]")
-    devices: list[str] | None = Field(None, description="one instance per entry, all on the model's queue")
+    devices: list[str] | None = Field(None, max_length=MAX_INSTANCES,
+                                      description="one instance per entry, all on the model's queue")
     options: dict[str, Any] = Field(default_factory=dict)
     queue: QueueConfig = QueueConfig()
     batch: BatchPolicy = BatchPolicy()
@@ -299,7 +307,7 @@ class ClusterConfig(_Strict):
         if not value:
             raise ValueError("node_types is empty; add one, like {gpu: {device: cuda, num_gpus: 1}}")
         for name in value:
-            if not re.match(r"^[a-z0-9][a-z0-9-]{0,31}$", name):
+            if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,31}", name):
                 raise ValueError(f"node type name {name!r} is not valid; accepted: lower-case letters, digits, '-'")
         return value
 
@@ -329,7 +337,7 @@ class FleetConfig(_Strict):
         if not value:
             raise ValueError("the fleet has no models; add at least one under 'models'")
         for name in value:
-            if not re.match(MODEL_NAME_PATTERN, name):
+            if not re.fullmatch(MODEL_NAME_PATTERN, name):
                 raise ValueError(
                     f"model name {name!r} is not valid; accepted: letters, digits, '_', '.', '-', "
                     "starting with a letter or digit, at most 64 characters"
@@ -430,8 +438,12 @@ def load_fleet(path: str | Path) -> FleetConfig:
         text = source.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read fleet file: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x})") from None
     try:
         data = yaml.safe_load(text)
+    except RecursionError:
+        raise ConfigError(f"{source}: nests mappings and lists more than {MAX_CONFIG_DEPTH} levels deep") from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -440,6 +452,8 @@ def load_fleet(path: str | Path) -> FleetConfig:
         raise ConfigError(f"{source}: not valid YAML: {clip(str(exc), 120)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping with 'models' at the top, got {type(data).__name__}")
+    if nesting_exceeds(data, MAX_CONFIG_DEPTH):
+        raise ConfigError(f"{source}: nests mappings and lists more than {MAX_CONFIG_DEPTH} levels deep")
     if secrets := sorted(key for key in map(str, data) if SECRET_LOOKING.search(key)):
         key = secrets[0] if secrets[0] in SECRET_KEYS else "api_keys"
         raise ConfigError(
@@ -456,6 +470,24 @@ def load_fleet(path: str | Path) -> FleetConfig:
     return fleet
 
 
+def nesting_exceeds(value: Any, limit: int) -> bool:
+    """Whether a parsed YAML or JSON value nests mappings and lists more than `limit` deep. Each
+    container is visited once, so a YAML alias bomb (one list referenced a billion times over) is
+    measured in the size of its text, without recursion."""
+    seen: set[int] = set()
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, (dict, list)) or id(node) in seen:
+            continue
+        if depth > limit:
+            return True
+        seen.add(id(node))
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
 class ServerSettings(BaseSettings):
     """Process settings, from MODEL_ROUTER_* environment variables."""
 
@@ -464,6 +496,11 @@ class ServerSettings(BaseSettings):
     config: Path = Path("config/fleet.yaml")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int = Field(8001, ge=0, le=65535, description="the Open Inference Protocol over gRPC; 0 turns it off")
+    grpc_stream_frames: int = Field(16, ge=1, le=4096, description="frames of one gRPC stream unanswered at once; "
+                                                                     "past that the stream is not read (back-pressure)")
+    shared_memory: Literal["loopback", "any", "off"] = Field(
+        "loopback", description="who may use V2 system shared memory: clients on this host, any client, or none")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "text"] = Field("auto", description="auto: text on a terminal, else JSON lines")
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024)
@@ -483,7 +520,8 @@ class ServerSettings(BaseSettings):
     header_timeout_s: float = Field(10.0, gt=0, le=3600, description="time to send a request's headers")
     body_timeout_s: float = Field(60.0, gt=0, le=3600, description="time to send a request's body after its headers")
     keep_alive_s: int = Field(5, ge=1, le=3600, description="an idle keep-alive connection is closed after this")
-    max_connections: int = Field(1024, ge=1, description="open connections and running requests; more get 503")
+    max_connections: int = Field(1024, ge=1, description="open connections (over it the longest-idle one is closed) "
+                                 "and running requests (more get 503; liveness is always answered)")
     max_items: int = Field(1024, ge=1, description="items in one V2 request (also at most the model's queue size)")
     trim_memory: bool = Field(True, description="hand freed heap memory back to the system after large bodies")
     workers: int | Literal["auto"] = Field(
@@ -500,6 +538,12 @@ class ServerSettings(BaseSettings):
     def front_count(self, cores: int) -> int:
         """How many front processes serve (1: the single process)."""
         return resolve_workers(self.workers, cores)
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> ServerSettings:
+        if self.grpc_port and self.grpc_port == self.port:
+            raise ValueError(f"grpc_port {self.grpc_port} is the HTTP port too; give gRPC another port, or 0 to turn it off")
+        return self
 
 
 #: `workers: auto` gives each core a front, up to this many (the engine's loop carries the rest).

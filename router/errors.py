@@ -1,6 +1,7 @@
 """Error hierarchy: each class carries its HTTP status, its `outcome` label (metrics, logs) and
 its retry hint, so errors map to HTTP in one handler. Where the Open Inference Protocol (KServe
-V2) answers differently, the one table `V2_STATUS` below says so."""
+V2) answers differently, the one table `V2_STATUS` below says so; `GRPC_CODES` maps the same
+statuses to gRPC's codes."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from collections.abc import Mapping
 from typing import ClassVar, Final
 
 __all__ = [
+    "GRPC_CODES",
+    "V2_STATUS",
     "BatchSizeMismatch",
     "ClientDisconnected",
     "ConfigError",
@@ -17,11 +20,11 @@ __all__ = [
     "DeviceOutOfMemory",
     "EngineUnavailable",
     "ExecutionTimeout",
-    "V2_STATUS",
     "Forbidden",
     "InputError",
-    "ModelDoesNotFit",
+    "InstanceLost",
     "ModelChanged",
+    "ModelDoesNotFit",
     "ModelError",
     "ModelNotFound",
     "ModelUnavailable",
@@ -29,16 +32,19 @@ __all__ = [
     "PayloadTooLarge",
     "PluginValidationError",
     "QueueFull",
+    "RegionNotFound",
     "ReplicaLost",
     "RequestTimeout",
     "RouterError",
     "ShuttingDown",
     "Unauthorized",
+    "Unimplemented",
     "UnknownPlugin",
     "UnsupportedMediaType",
     "brief",
     "clip",
     "error_named",
+    "grpc_status",
     "outcome_of",
     "v2_status",
 ]
@@ -111,6 +117,20 @@ class ModelNotFound(RouterError):
     outcome = "not_found"
 
 
+class RegionNotFound(RouterError):
+    """No shared memory region of that name is registered."""
+
+    status_code = 404
+    outcome = "not_found"
+
+
+class Unimplemented(RouterError):
+    """A part of the protocol this server does not serve (CUDA shared memory, trace settings)."""
+
+    status_code = 501
+    outcome = "unsupported"
+
+
 class Overloaded(RouterError):
     """Temporarily unable to take the request; the caller should retry later."""
 
@@ -144,6 +164,12 @@ class EngineUnavailable(Overloaded):
     """The engine process is gone or restarting; the front processes answer this until it is back."""
 
     outcome = "engine_unavailable"
+
+
+class InstanceLost(ModelUnavailable):
+    """The process that ran the model's instance died (`isolation: process`); it is restarting."""
+
+    outcome = "instance_lost"
 
 
 class ReplicaLost(Overloaded):
@@ -186,10 +212,13 @@ class BatchSizeMismatch(ModelError):
 #: Where KServe V2 answers with another status than the native API: a deadline that expired
 #: before the input ran is 503 + Retry-After there, as V2 clients expect of a server too busy to
 #: answer in time. A batch that overran its execution timeout stays 504: retrying the same input
-#: may overrun again. Looked up by the error's class, most specific first.
+#: may overrun again. A part of the protocol not served (CUDA shared memory) is 400, as Triton
+#: answers it over HTTP (gRPC's UNIMPLEMENTED comes from the native 501). Looked up by the error's
+#: class, most specific first.
 V2_STATUS: Final[dict[type[RouterError], tuple[int, float | None]]] = {
     ExecutionTimeout: (504, None),
     DeadlineExceeded: (503, 1.0),
+    Unimplemented: (400, None),
 }
 
 
@@ -203,6 +232,27 @@ def v2_status(error: RouterError) -> tuple[int, dict[str, str]]:
                 headers.setdefault("Retry-After", str(max(1, int(retry + 0.999))))
             return status, headers
     return error.status_code, dict(error.headers)
+
+
+#: gRPC's status codes (their names in grpc.StatusCode) for the statuses above: what a gRPC client
+#: sees for each error. An expired deadline is DEADLINE_EXCEEDED (the HTTP native status, not V2's
+#: 503), and a 503's retry hint travels in trailing metadata (`grpc_status`).
+GRPC_CODES: Final[dict[int, str]] = {
+    400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+    408: "DEADLINE_EXCEEDED", 413: "RESOURCE_EXHAUSTED", 415: "INVALID_ARGUMENT", 499: "CANCELLED",
+    500: "INTERNAL", 501: "UNIMPLEMENTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED",
+}
+
+
+def grpc_status(error: RouterError) -> tuple[str, dict[str, str]]:
+    """The gRPC code name and trailing metadata of an error: `retry-after` (seconds, as the HTTP
+    header) and `grpc-retry-pushback-ms` (read by gRPC's own retry policy) when a retry may succeed
+    (every 503: one second where the error names no time)."""
+    code = GRPC_CODES.get(error.status_code, "UNKNOWN" if error.status_code < 500 else "INTERNAL")
+    retry = error.retry_after_s if error.retry_after_s is not None else (1.0 if error.status_code == 503 else None)
+    if retry is None:
+        return code, {}
+    return code, {"retry-after": str(max(1, int(retry + 0.999))), "grpc-retry-pushback-ms": str(int(retry * 1000))}
 
 
 def outcome_of(error: BaseException) -> str:
@@ -261,7 +311,7 @@ def brief(value: object, limit: int = 80) -> str:
     shown.maxlist = shown.maxtuple = shown.maxdict = shown.maxset = 6
     try:
         text = shown.repr(value)
-    except Exception:  # an integer too long for str(), a broken __repr__
+    except Exception:  # noqa: BLE001  # an integer too long for str(), a broken __repr__
         text = f"<{type(value).__name__}>"
     return text if len(text) <= limit else text[:limit - 3] + "..."
 

@@ -1,5 +1,6 @@
 """Structured logs: JSON lines, or readable text lines on a terminal, with the same fields either way.
-Each record carries the request id of the request being served, if any."""
+Each record carries the request id of the request being served, if any, and its trace id when
+tracing is on, so that a line leads to the request's trace."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import functools
 import json
 import logging
 import queue
+import re
 import sys
 import time
 from logging.handlers import QueueHandler, QueueListener
@@ -16,12 +18,20 @@ from typing import Any, Literal, TextIO
 
 import msgspec
 
-__all__ = ["JsonFormatter", "LogFormat", "TextFormatter", "configure_logging", "formatter_for", "record_fields",
-           "request_id_var"]
+__all__ = ["REQUEST_ID_PATTERN", "JsonFormatter", "LogFormat", "TextFormatter", "configure_logging", "formatter_for",
+           "incoming_or_new", "record_fields", "request_id_var", "trace_id_var"]
 
 _JSON = msgspec.json.Encoder(enc_hook=str)
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+trace_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("trace_id", default=None)
+#: A request id a client may choose (X-Request-ID, gRPC's x-request-id metadata).
+REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def incoming_or_new(incoming: str | None, new: str) -> str:
+    """The caller's request id when it is sane, else `new`."""
+    return incoming if incoming and REQUEST_ID_PATTERN.match(incoming) else new
 
 # Record attributes that are not fields; uvicorn's `color_message` repeats the message with ANSI codes.
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "color_message"}
@@ -29,7 +39,8 @@ _RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"me
 
 LogFormat = Literal["auto", "json", "text"]
 # Shown first on a text line, in this order, when present: who, what, how long.
-_LEADING = ("model", "request_id", "method", "path", "status", "duration_ms", "queue_wait_ms", "execution_ms", "batch_size")
+_LEADING = ("model", "request_id", "trace_id", "method", "path", "status", "duration_ms", "queue_wait_ms", "execution_ms",
+            "batch_size")
 
 
 @functools.lru_cache(maxsize=4)
@@ -48,6 +59,9 @@ def record_fields(record: logging.LogRecord, formatter: logging.Formatter) -> di
     request_id = getattr(record, "request_id", None) or request_id_var.get()
     if request_id:
         entry["request_id"] = request_id
+    trace_id = getattr(record, "trace_id", None) or trace_id_var.get()
+    if trace_id:
+        entry["trace_id"] = trace_id
     for key, value in record.__dict__.items():
         if key not in _RESERVED and key not in entry and not key.startswith("_"):
             entry[key] = value
@@ -95,11 +109,13 @@ def formatter_for(fmt: LogFormat, stream: TextIO) -> logging.Formatter:
 
 class _DeferredHandler(QueueHandler):
     """Hands records to a background thread, which formats and writes them: the event loop only
-    enqueues. The request id is captured here, since the context does not follow the record."""
+    enqueues. The request and trace ids are captured here, since the context does not follow the record."""
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
         if getattr(record, "request_id", None) is None and (request_id := request_id_var.get()):
             record.request_id = request_id
+        if getattr(record, "trace_id", None) is None and (trace_id := trace_id_var.get()):
+            record.trace_id = trace_id
         return record
 
 

@@ -1,78 +1,57 @@
 #!/usr/bin/env bash
-# GPU checks, in one go, for a machine with a CUDA GPU (about 5 minutes, at most 9):
-#   1. the `gpu`-marked tests: NVML probe vs CUDA, CUDA memory profiling, a real CUDA out-of-memory
-#      split and retried, residency on cuda:0 (on-demand models evicted by NVML, memory back), onnxruntime's CUDA provider with IO binding, TensorRT engines built and
-#      served against eager PyTorch (each skips, with its reason, where its library is missing);
-#      JPEG decode on the device (gpu_decode, nvJPEG): ResNet against torchvision's reference and
-#      YOLO against ultralytics' predict on the parity photos (tests/plugins/test_device_decode.py;
-#      not yet run on a GPU);
-#   2. scripts/gpu_engine_check.py: both demo models exported to ONNX, and to TensorRT where it is
-#      installed (ResNet in fp16), a short load of every engine through a real router beside its
-#      eager original with their answers compared at batch 1 and 8, and the scheduler's ledger
-#      compared with NVML's readings under load;
-#   3. scripts/gpu_cluster_check.py: the Ray cluster with two device replicas on one GPU
-#      (num_gpus: 0.5 each), NVML admission in each, round robin through the cluster front.
-# Writes OUT_DIR/results.md, a short table of every check, and the logs beside it.
+# The GPU check, in one go, on a machine with a CUDA GPU (docs/gpu.md):
 #   bash scripts/gpu-check.sh [OUT_DIR]
+# With a wheelhouse (`make gpu-wheels` builds .whl/; GPU_WHEELS names another, GPU_WHEELS= none) it makes a
+# virtual environment that sees the site packages of `python3` (or $PYTHON) and installs the
+# wheelhouse into it with --no-index: nothing is fetched. Without one it runs with .venv/bin/python
+# (or $PYTHON, or python3) as it is. Then gpu_check.run runs the parts, each under a time limit and
+# all within 8 minutes, a failing part never stopping the others: the environment (GPU, driver,
+# CUDA, versions, requirements, imports), the `gpu`-marked tests, the 5x surge under an NVML budget,
+# ResNet-50 and YOLOv8n throughput, the engine exports and the ledger against NVML, the two-replica
+# cluster. It writes OUT_DIR/results.md (one row per check), OUT_DIR/device.txt, OUT_DIR/logs.tar.gz
+# and exits 1 when any check failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-check-out}}"
-mkdir -p "$out/engines"
-python=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+wheels="${GPU_WHEELS-.whl}"  # set but empty: no wheelhouse
+mkdir -p "$out"
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
+mkdir -p "$work/logs"
 
-"$python" - <<'PY' | tee "$out/device.txt"
-import importlib.util
-import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
-if torch.cuda.is_available():
-    props = torch.cuda.get_device_properties(0)
-    print("device", props.name, f"{props.total_memory / 2**30:.1f} GiB")
-for name in ("onnxruntime", "tensorrt"):
-    spec = importlib.util.find_spec(name)
-    if spec is None:
-        print(name, "not installed")
-        continue
-    module = __import__(name)
-    extra = module.get_available_providers() if name == "onnxruntime" else ""
-    print(name, module.__version__, extra)
-PY
+if [ -n "$wheels" ] && [ -f "$wheels/wheelhouse.json" ]; then
+    base="${PYTHON:-python3}"
+    venv="$work/venv"
+    started=$SECONDS
+    # --without-pip, and the base's site packages through a .pth file rather than
+    # --system-site-packages: where python3 is itself a venv (as on the lent machine), its packages
+    # are its venv's, which --system-site-packages would not show.
+    {
+        "$base" -m venv --without-pip "$venv" &&
+        site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') &&
+        "$base" -c 'import os, site
+for path in site.getsitepackages():
+    if os.path.isdir(path):
+        print(f"import site; site.addsitedir({path!r})")' > "$site/base-site-packages.pth" &&
+        "$venv/bin/python" -m pip install --no-index --no-deps --no-compile --disable-pip-version-check -q \
+            "$wheels"/*.whl
+    } > "$work/logs/install.log" 2>&1
+    status=$?
+    count=$(ls "$wheels"/*.whl | wc -l)
+    if [ "$status" -eq 0 ]; then
+        row="| install the wheelhouse | pass | $count wheels from $wheels with --no-index in $((SECONDS - started)) s |"
+    else
+        row="| install the wheelhouse | FAIL | exit status $status; see logs/install.log: $(tail -n 1 "$work/logs/install.log") |"
+    fi
+    printf '| check | result | detail |\n| --- | --- | --- |\n%s\n' "$row" > "$work/setup.md"
+    python="$venv/bin/python"
+    [ -x "$python" ] || python="$base"
+else
+    python=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+fi
 
-PYTHONUNBUFFERED=1 timeout 240 "$python" -m pytest -m gpu -p no:cacheprovider -rA \
-    --junitxml="$out/gpu-tests.xml" tests 2>&1 | tee "$out/gpu-tests.log"
-status=${PIPESTATUS[0]}
-
-PYTHONUNBUFFERED=1 timeout 300 "$python" scripts/gpu_engine_check.py "$out/engines" --device auto \
-    2>&1 | tee "$out/engines.log"
-engines_status=${PIPESTATUS[0]}
-[ "$engines_status" -eq 124 ] && echo "| engine checks | FAIL | timed out after 300 s; see engines.log |" >> "$out/engines/engines.md"
-"$python" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" && PYTHONUNBUFFERED=1 timeout 240 "$python" -m benchmarks.gpu --out "$out/bench" 2>&1 | tee "$out/bench.log"  # GPU benchmark: models sharing the card, ledger vs NVML
-
-"$python" -c "import sys, torch, ray; sys.exit(not torch.cuda.is_available())" 2>/dev/null \
-    && PYTHONUNBUFFERED=1 timeout 300 "$python" scripts/gpu_cluster_check.py "$out" 2>&1 | tee "$out/cluster.log"
-
-"$python" - "$out/gpu-tests.xml" "$out/engines/engines.md" <<'PY' | tee "$out/results.md"
-import sys
-import xml.etree.ElementTree as ET
-from pathlib import Path
-print("| check | result | detail |")
-print("| --- | --- | --- |")
-try:
-    root = ET.parse(sys.argv[1]).getroot()
-except (OSError, ET.ParseError) as exc:
-    print(f"| gpu-marked tests | FAIL | no junit report: {exc} |")
-else:
-    for case in root.iter("testcase"):
-        outcome, detail = "pass", f"{float(case.get('time', 0)):.2f} s"
-        for tag in ("failure", "error", "skipped"):
-            found = case.find(tag)
-            if found is not None:
-                outcome, detail = tag, (found.get("message") or "")[:160].replace("|", "/").replace("\n", " ")
-        print(f"| test {case.get('name')} | {outcome} | {detail} |")
-engines = Path(sys.argv[2])
-rows = engines.read_text().splitlines()[2:] if engines.is_file() else ["| engine checks | FAIL | no engines.md |"]
-cluster = engines.parent.parent / "cluster.md"
-rows += cluster.read_text().splitlines()[2:] if cluster.is_file() else ["| cluster check | not run | no GPU or no Ray |"]
-print("\n".join(rows))
-PY
-[ "$status" -ne 0 ] && exit "$status"
-exit "$engines_status"
+export YOLO_OFFLINE=1 YOLO_AUTOINSTALL=false PYTHONUNBUFFERED=1
+"$python" -m gpu_check.run "$out" --work "$work" ${wheels:+--wheelhouse "$wheels"}
+status=$?
+# The logs are in OUT_DIR/logs.tar.gz; GPU_CHECK_KEEP=1 keeps the rest (venv, models, exports) too.
+[ "${GPU_CHECK_KEEP:-0}" = 1 ] && echo "gpu-check: work folder kept: $work" || rm -rf "$work"
+exit "$status"

@@ -10,16 +10,21 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+#: The only wall-clock bound a test may assert: long enough that a machine with a core kept busy
+#: never reaches it, short enough to tell a hang from a slow answer. Speed is `make bench`'s to measure.
+HANG_S = 10.0
 
 
 def free_port() -> int:
@@ -35,13 +40,16 @@ class RouterProcess:
     url: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    grpc_address: str = ""  # host:port of its gRPC endpoint
 
     def log(self) -> str:
         return self.log_path.read_text(encoding="utf-8", errors="replace")
 
     def log_records(self) -> list[dict[str, object]]:
+        """The JSON lines written so far; a last line the writer thread has not finished is left out."""
+        text = self.log()
         records = []
-        for line in self.log().splitlines():
+        for line in text[:text.rfind("\n") + 1].splitlines():
             if line.startswith("{"):
                 records.append(json.loads(line))
         return records
@@ -55,6 +63,16 @@ class RouterProcess:
                 return lines
             time.sleep(0.05)
         return []
+
+    def until_model(self, name: str, condition: Callable[[dict[str, Any]], bool], timeout: float = 30.0) -> dict[str, Any]:
+        """Poll `GET /models/{name}` until `condition` holds of it: ordering by state, not by sleeping."""
+        deadline = time.monotonic() + timeout
+        while True:
+            model: dict[str, Any] = httpx.get(f"{self.url}/models/{name}", timeout=10).json()
+            if condition(model):
+                return model
+            assert time.monotonic() < deadline, f"model {name} never reached the expected state: {model}"
+            time.sleep(0.01)
 
     def connect(self, timeout: float = 10.0) -> socket.socket:
         """A raw TCP connection to the server, for requests no HTTP client would send."""
@@ -83,19 +101,20 @@ def serve(
     tmp_path: Path, fleet: str, *, env: dict[str, str] | None = None, wait_ready: bool = True, timeout: float = 90.0,
     memory_limit: int | None = None,
 ) -> Iterator[RouterProcess]:
-    """Write `fleet` to a file, start `python -m router serve` on a free port, wait until ready.
-    With `memory_limit` (bytes of address space, as `prlimit --as`), a regression that makes the
-    server balloon fails its test instead of exhausting the machine."""
+    """Write `fleet` to a file, start `python -m router serve` on a free port (and gRPC on another:
+    never the shared default 8001, which SO_REUSEPORT would let two test servers split), wait until
+    ready. With `memory_limit` (bytes of address space, as `prlimit --as`), a regression that makes
+    the server balloon fails its test instead of exhausting the machine."""
     config = tmp_path / "fleet.yaml"
     config.write_text(fleet, encoding="utf-8")
-    port = free_port()
+    port, grpc_port = free_port(), free_port()
     log_path = tmp_path / f"server-{port}.log"
     child_env = {**os.environ, "MODEL_ROUTER_HOST": "127.0.0.1", "MODEL_ROUTER_PORT": str(port),
-                 "MODEL_ROUTER_CONFIG": str(config), **(env or {})}
+                 "MODEL_ROUTER_GRPC_PORT": str(grpc_port), "MODEL_ROUTER_CONFIG": str(config), **(env or {})}
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen([*_limited(memory_limit), sys.executable, "-m", "router", "serve"], cwd=REPO,
                                    env=child_env, stdout=log_file, stderr=subprocess.STDOUT)
-    server = RouterProcess(f"http://127.0.0.1:{port}", process, log_path)
+    server = RouterProcess(f"http://127.0.0.1:{port}", process, log_path, f"127.0.0.1:{child_env['MODEL_ROUTER_GRPC_PORT']}")
     try:
         _wait_for(server, "/health/ready" if wait_ready else "/health/live", timeout)
         yield server
@@ -107,6 +126,39 @@ def serve(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(5)
+
+
+@dataclass(frozen=True)
+class Probe:
+    status: int  # 0: no answer
+    seconds: float
+
+
+@contextmanager
+def liveness_watched(server: RouterProcess, every_s: float = 0.05) -> Iterator[list[Probe]]:
+    """Ask /health/live in a thread, one probe every `every_s`, while the block runs; the probes,
+    for the test to assert on after it (at least one is taken)."""
+    probes: list[Probe] = []
+    stop = threading.Event()
+
+    def probe() -> None:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            while not stop.is_set() or not probes:
+                started = time.monotonic()
+                try:
+                    status = client.get("/health/live").status_code
+                except httpx.HTTPError:
+                    status = 0
+                probes.append(Probe(status, time.monotonic() - started))
+                stop.wait(every_s)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        yield probes
+    finally:
+        stop.set()
+        prober.join()
 
 
 def _limited(memory_limit: int | None) -> list[str]:

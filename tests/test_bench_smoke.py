@@ -38,3 +38,27 @@ def test_direct_loop_and_report_render(tmp_path: Path) -> None:
     table = render(results)
     assert "tiny" in table and "router" in table
     assert [t["name"] for t in results["targets"]] == ["tiny: router p50 - direct p50 at concurrency 1 (ms)"]
+
+
+def test_tracing_bench_measures_every_server_and_the_receiver_gets_every_sampled_request(tmp_path: Path) -> None:
+    from benchmarks.tracing import tracing_overhead
+
+    result = tracing_overhead(tmp_path, seconds=0.5, rounds=1, warm_s=0.3)
+    assert set(result["cpu_ms_per_request"]) == {"before", "off", "1%", "100%"}
+    assert all(result["answered"][label] > 0 for label in result["answered"])
+    assert result["requests_traced"]["100%"] == result["answered"]["100%"]  # a server span for each request
+    assert result["requests_traced"].get("1%", 0) < result["answered"]["1%"]
+    assert "off" not in result["requests_traced"] and "before" not in result["requests_traced"]
+    results = {"deadline_s": 1.0, "workloads": {}, "tracing_overhead": result}
+    assert [t["name"] for t in evaluate(results)] == [
+        "no-op at c=32: router CPU per request, tracing off / before tracing (median of rounds)"]
+
+
+def test_the_protocol_comparison_renders_in_the_table() -> None:
+    run = {"model": "resnet18", "protocol": "grpc", "form": "jpeg", "concurrency": 4, "requests": 1, "statuses": {"ok": 1},
+           "throughput_rps": 1.0, "goodput_rps": 1.0, "ok_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0}}
+    results = {"deadline_s": 1.0, "workloads": {}, "scenarios": {"protocols": {"runs": {
+        "grpc/jpeg#0": run, "http/jpeg#0": {**run, "protocol": "http"}},
+        "ratios": {"jpeg": {"throughput_grpc_over_http": 1.0, "p99_grpc_over_http": 1.0}}}}}
+    table = render(results)
+    assert "tritonclient grpc" in table and "tritonclient http" in table and "resnet18 jpeg#0, c=4" in table

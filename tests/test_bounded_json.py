@@ -1,5 +1,6 @@
-"""JSON nesting measured before parsing (router/http/kserve/bounded_json.py): exact on valid JSON,
-blind to brackets inside strings, linear on hostile text."""
+"""JSON measured before parsing (router/http/kserve/bounded_json.py): nesting exact on valid JSON,
+blind to brackets inside strings, linear on hostile text; the parsed size estimated; lone
+surrogates found."""
 
 from __future__ import annotations
 
@@ -8,8 +9,17 @@ import time
 
 import pytest
 
-from router.errors import InputError
-from router.http.kserve.bounded_json import loads_bounded, nesting_exceeds
+from router.errors import InputError, PayloadTooLarge
+from router.http.kserve.bounded_json import (
+    JsonCounts,
+    allowed_bytes,
+    count_json,
+    loads_bounded,
+    lone_surrogate,
+    measure_json,
+    nesting_exceeds,
+)
+from tests.conftest import HANG_S
 
 
 def nested(depth: int) -> bytes:
@@ -38,9 +48,10 @@ def test_nesting_is_measured_exactly(text: bytes, too_deep: bool) -> None:
     b"[" + b"\\\\" * 2_000_000,
 ])
 def test_hostile_text_is_measured_in_linear_time(text: bytes) -> None:
+    """4 MB each: linear is milliseconds, quadratic would be hours; the bound only tells them apart."""
     started = time.perf_counter()
     nesting_exceeds(text, 100)
-    assert time.perf_counter() - started < 2.0
+    assert time.perf_counter() - started < HANG_S
 
 
 @pytest.mark.parametrize("text", [b"[" * 100_000, nested(101), b"{" * 5_000])
@@ -54,3 +65,39 @@ def test_bad_json_names_what_was_expected() -> None:
     with pytest.raises(InputError, match="the body must be the JSON inference request: Expecting"):
         loads_bounded(b"{not json", "the body", expected="the JSON inference request")
     assert loads_bounded(b'{"a": [1, 2]}', "the body") == {"a": [1, 2]}
+
+
+@pytest.mark.parametrize(("text", "found"), [
+    (b'"\\ud800"', "\\ud800"),
+    (b'"\\udc00"', "\\udc00"),  # a low half alone
+    (b'"\\ud83d\\ude00"', None),  # a pair
+    (b'"\\\\ud800"', None),  # an escaped backslash, then text
+    (b'"\\\\\\ud800"', "\\ud800"),  # an escaped backslash, then the escape
+    (b'"\xed\xa0\x80"', "\\ud800"),  # the surrogate's own UTF-8 bytes
+    ("\u00e9t\u00e9 \u2603".encode(), None),
+])
+def test_lone_surrogates_are_found_in_the_text(text: bytes, found: str | None) -> None:
+    assert lone_surrogate(text) == found
+    if found is not None:
+        with pytest.raises(InputError, match="lone surrogate"):
+            loads_bounded(text, "the body")
+
+
+@pytest.mark.parametrize(("text", "refused"), [
+    (b"[" + b"{}," * 8_000_000 + b"{}]", True),  # 24 MB of empty objects: about 40 times its size
+    (b"[" + b"[]," * 8_000_000 + b"[]]", True),
+    (json.dumps([0.5] * 3_000_000).encode(), False),  # flat numbers: about 3 times
+    (json.dumps([[[[255, 255, 255]] * 320] * 320]).encode(), False),  # a nested image: about 11 times
+    (json.dumps(["[{}]" * 1000] * 1000).encode(), False),  # brackets in strings cost nothing
+])
+def test_what_the_parsed_value_would_take_is_bounded_before_parsing(text: bytes, refused: bool) -> None:
+    deep, cost = measure_json(text, 100)
+    assert not deep
+    assert (cost > allowed_bytes(len(text))) is refused
+    if refused:
+        with pytest.raises(PayloadTooLarge, match="once parsed"):
+            loads_bounded(text, "the body")
+
+
+def test_counts_are_taken_outside_strings() -> None:
+    assert count_json(b'["a,[b", {"x": [1, 2]}, "\\"]"]') == JsonCounts(depth=3, containers=3, strings=3, commas=3)

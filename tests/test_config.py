@@ -9,7 +9,7 @@ import pytest
 from pydantic import BaseModel, Field, ValidationError
 
 from router.cli import main
-from router.config import BatchPolicy, DeviceConfig, QueueConfig, ServerSettings, load_fleet
+from router.config import BatchPolicy, DeviceConfig, QueueConfig, ServerSettings, load_fleet, nesting_exceeds
 from router.errors import ConfigError
 from router.serving.plan import option_keys, resolve_fleet
 from router.serving.registry import PluginRegistry
@@ -256,6 +256,15 @@ def test_server_settings_reject_bad_port(monkeypatch: pytest.MonkeyPatch) -> Non
         ServerSettings()
 
 
+def test_grpc_port_defaults_to_8001_and_must_differ_from_the_http_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MODEL_ROUTER_PORT", "MODEL_ROUTER_GRPC_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert (ServerSettings().grpc_port, ServerSettings(grpc_port=0).grpc_port) == (8001, 0)
+    with pytest.raises(ValidationError, match="grpc_port 9000 is the HTTP port too; give gRPC another port, or 0"):
+        ServerSettings(port=9000, grpc_port=9000)
+    assert ServerSettings(port=0, grpc_port=0).port == 0  # both off or chosen by the system: no clash
+
+
 class LaxOptions(BaseModel):
     """Options without extra="forbid": pydantic alone would drop an unknown key without a word."""
 
@@ -302,3 +311,29 @@ def test_option_aliases_are_the_keys_the_options_model_reads(tmp_path: Path) -> 
     plan = resolve_fleet(load_fleet(path), lax_registry(), str(path))
 
     assert plan.models["m"].options == LaxOptions(size=1, name="y")
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ('models:\n  "m\\n": {plugin: scripted}\n', "model name 'm\\n' is not valid"),  # `$` matched before it
+    ("models:\n  m: {plugin: scripted, devices: [" + ", ".join(["cpu"] * 65) + "]}\n", "at most 64 items"),
+    ("models:\n  m: {plugin: scripted, options: {a: " + "[" * 40 + "]" * 40 + "}}\n", "more than 32 levels deep"),
+    ("models:\n  m: {plugin: scripted, options: {a: " + "[" * 50_000 + "]" * 50_000 + "}}\n",
+     "more than 32 levels deep"),  # deeper than Python's recursion limit
+])
+def test_unbounded_fleet_files_are_refused(tmp_path: Path, text: str, fragment: str) -> None:
+    assert fragment in config_error(write(tmp_path, text))
+
+
+def test_a_fleet_file_that_is_not_utf8_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "fleet.yaml"
+    path.write_bytes(MINIMAL.encode() + b"# caf\xe9\n")
+    assert config_error(path) == f"{path}: not UTF-8 text (byte {len(MINIMAL) + 5} is 0xe9)"
+
+
+def test_nesting_is_measured_once_per_shared_container() -> None:
+    """A YAML alias bomb: nine levels of lists each referencing the one below nine times (9**9 leaves)."""
+    level: list[object] = ["x"]
+    for _ in range(9):
+        level = [level] * 9
+    assert not nesting_exceeds(level, 10)
+    assert nesting_exceeds(level, 9)

@@ -67,8 +67,8 @@ def test_auto_runs_the_fleet_exporters_then_the_converters_where_they_can_run() 
 
 
 @pytest.mark.parametrize(("fmt", "from_file", "message"), [
-    ("gif", False, r"no exporter for format 'gif' is installed \(installed: engine, onnx\); exporter 'bad' is broken: "
-                   r"ImportError: x; the bundled exporters come with the onnx and tensorrt plugins"),
+    ("gif", False, (r"no exporter for format 'gif' is installed \(installed: engine, onnx\); exporter 'bad' is broken: "
+                    r"ImportError: x; the bundled exporters come with the onnx and tensorrt plugins")),
     ("onnx", True, "the onnx exporter exports a fleet model"),
     ("auto", True, "--from needs a named --format"),
 ])

@@ -16,9 +16,11 @@ import pytest
 from router.errors import ModelDoesNotFit, ModelNotFound, ModelUnavailable, RouterError
 from router.sdk import Payload
 from router.serving.runtime import Answer, Runtime
+from router.serving.snapshots import ModelInfo
 from tests.conftest import REPO, read_records
-from tests.test_runtime import ask, make_runtime
+from tests.test_runtime import ask, make_runtime, until
 from tests.test_runtime import running as running_runtime
+from tests.virtual_clock import VirtualClockLoop, run_virtual
 
 
 def scripted(name: str, *, residency: str = "on_demand", weights_mb: int = 10, extra: str = "", record: Path | None = None,
@@ -85,16 +87,28 @@ async def test_a_failing_load_answers_503_with_its_error_and_backs_off(tmp_path:
         assert runtime.model("bad").residency.load_failures == 1  # type: ignore[union-attr]  # backing off
 
 
-async def test_an_idle_on_demand_model_is_unloaded_after_idle_unload_s(tmp_path: Path) -> None:
+def test_an_idle_on_demand_model_is_unloaded_after_idle_unload_s(tmp_path: Path) -> None:
+    """On a virtual clock: unloaded 0.3 s after its last answer, not before."""
     text = fleet(scripted("a", extra=", idle_unload_s: 0.3"))
-    async with running(tmp_path, text) as runtime:
-        await runtime.submit("a", ask("x"))
-        assert runtime.model("a").state == "ready"
-        async with asyncio.timeout(5):
-            while runtime.model("a").state != "unloaded":
-                await asyncio.sleep(0.05)
-        assert runtime.model("a").residency.evictions == {"idle": 1}  # type: ignore[union-attr]
-        assert runtime.devices()[0].weights_bytes == 0
+
+    async def main(loop: VirtualClockLoop) -> tuple[float, float, dict[str, int], int]:
+        async with running_runtime(make_runtime(tmp_path, text, clock=loop.time)) as runtime:
+            await runtime.submit("a", ask("x"))
+            answered = loop.time()
+            assert runtime.model("a").state == "ready"
+            async with asyncio.timeout(5):
+                while runtime.model("a").state == "ready":
+                    await asyncio.sleep(0.001)
+            unloading = loop.time()
+            async with asyncio.timeout(5):
+                while runtime.model("a").state != "unloaded":
+                    await asyncio.sleep(0.001)
+            return answered, unloading, dict(runtime.model("a").residency.evictions), runtime.devices()[0].weights_bytes  # type: ignore[union-attr]
+
+    answered, unloading, evictions, weights = run_virtual(main)
+    assert 0.3 <= unloading - answered <= 0.3 + 0.002  # the idle time, and the polling's step above
+    assert evictions == {"idle": 1}
+    assert weights == 0
 
 
 async def test_an_operator_unload_during_a_running_batch_loses_nothing_and_holds_the_model_out(
@@ -108,7 +122,7 @@ async def test_an_operator_unload_during_a_running_batch_loses_nothing_and_holds
             while not any(i.busy for i in runtime.model("m").instances):
                 await asyncio.sleep(0.005)
         queued = asyncio.create_task(runtime.submit("m", ask("queued")))
-        await asyncio.sleep(0.05)
+        await until(lambda: runtime.model("m").queue_depth == 1)
         info, reports = await runtime.unload_model("m")
         results = await asyncio.gather(running_one, queued, return_exceptions=True)
         assert info.state == "unloaded" and reports[0].booked_bytes == 10_000_000
@@ -122,28 +136,34 @@ async def test_an_operator_unload_during_a_running_batch_loses_nothing_and_holds
     assert [r["ids"] for r in read_records(record)] == [["running"], ["again"]]  # "queued" never ran
 
 
-async def test_changing_a_model_under_load_answers_every_request(tmp_path: Path) -> None:
+def test_changing_a_model_under_load_answers_every_request(tmp_path: Path) -> None:
+    """On a virtual clock: 0.3 s of eight clients' load, the change, 0.3 s more."""
     text = fleet(scripted("m", residency="always", fixed_ms=30), budget_mb=100)
-    async with running(tmp_path, text) as runtime:
-        stop = asyncio.Event()
-        results: list[object] = []
 
-        async def client(index: int) -> None:
-            turn = 0
-            while not stop.is_set():
-                try:
-                    results.append(await runtime.submit("m", ask(f"c{index}-{turn}")))
-                except RouterError as exc:
-                    results.append(exc)
-                turn += 1
+    async def main(loop: VirtualClockLoop) -> tuple[str, ModelInfo, list[object]]:
+        async with running_runtime(make_runtime(tmp_path, text, clock=loop.time)) as runtime:
+            stop = asyncio.Event()
+            results: list[object] = []
 
-        clients = [asyncio.create_task(client(i)) for i in range(8)]
-        await asyncio.sleep(0.3)
-        section = {"plugin": "scripted", "options": {"fixed_ms": 10, "weights_bytes": 10_000_000}}
-        outcome, info = await runtime.put_model("m", section)
-        await asyncio.sleep(0.3)
-        stop.set()
-        await asyncio.gather(*clients)
+            async def client(index: int) -> None:
+                turn = 0
+                while not stop.is_set():
+                    try:
+                        results.append(await runtime.submit("m", ask(f"c{index}-{turn}")))
+                    except RouterError as exc:
+                        results.append(exc)
+                    turn += 1
+
+            clients = [asyncio.create_task(client(i)) for i in range(8)]
+            await asyncio.sleep(0.3)
+            section = {"plugin": "scripted", "options": {"fixed_ms": 10, "weights_bytes": 10_000_000}}
+            outcome, info = await runtime.put_model("m", section)
+            await asyncio.sleep(0.3)
+            stop.set()
+            await asyncio.gather(*clients)
+        return outcome, info, results
+
+    outcome, info, results = run_virtual(main)
     assert outcome == "changed" and info.residency is not None and info.residency.generation == 2
     failures = [r for r in results if not isinstance(r, Answer)]
     assert not failures, failures[:3]

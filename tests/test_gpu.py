@@ -22,15 +22,31 @@ from router.serving.runtime import Runtime
 pytestmark = pytest.mark.gpu
 
 
-def test_nvml_probe_agrees_with_cuda() -> None:
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo checkpoints, built here: the repository's model_store/ does not travel to a lent GPU."""
+    from router.store import init_demo
+
+    path = tmp_path_factory.mktemp("model_store")
+    init_demo(path, progress=lambda line: None)
+    return path
+
+
+def test_nvml_probe_agrees_with_cuda(record_property: Any) -> None:
     probe = NvmlProbe("cuda:0")
     try:
         reading = probe.read()
     finally:
         probe.close()
     free, total = torch.cuda.mem_get_info(0)
+    record_property("figure", f"NVML used {reading.used_bytes / MiB:.0f} of {reading.total_bytes / MiB:.0f} MiB; "
+                              f"torch.cuda.mem_get_info used {(total - free) / MiB:.0f} of {total / MiB:.0f} MiB; "
+                              f"difference {(reading.used_bytes - (total - free)) / MiB:+.0f} MiB")
     assert reading.total_bytes == total
-    assert abs(reading.used_bytes - (total - free)) < 512 * 2**20
+    assert abs(reading.used_bytes - (total - free)) < 512 * MiB
 
 
 class BlockPlugin(ModelPlugin):  # type: ignore[type-arg]
@@ -62,11 +78,13 @@ class BlockPlugin(ModelPlugin):  # type: ignore[type-arg]
         return Payload(b'{"id": "warmup"}', "application/json")
 
 
-def test_cuda_profile_fits_the_per_item_cost() -> None:
+def test_cuda_profile_fits_the_per_item_cost(record_property: Any) -> None:
     plugin = BlockPlugin(BlockPlugin.Options(), None)  # type: ignore[arg-type]
     plugin.load("cuda:0")
     estimate = profile_cuda(plugin, "cuda:0", 64 * 2**20, profile_sizes(8))
     assert estimate is not None and estimate.source == "profiled"
+    record_property("figure", f"profiled {estimate.per_item_bytes / MiB:.1f} MiB per item for the "
+                              f"{BlockPlugin.block / MiB:.0f} MiB each item allocates")
     assert abs(estimate.per_item_bytes - BlockPlugin.block) / BlockPlugin.block < 0.05
 
 
@@ -81,7 +99,7 @@ class HugePlugin(BlockPlugin):
         return None
 
 
-def test_real_cuda_out_of_memory_is_split_and_retried(tmp_path: Path) -> None:
+def test_real_cuda_out_of_memory_is_split_and_retried(tmp_path: Path, record_property: Any) -> None:
     registry = PluginRegistry.from_entry_points()
     registry.register("huge", HugePlugin)
     config = tmp_path / "fleet.yaml"
@@ -104,11 +122,16 @@ def test_real_cuda_out_of_memory_is_split_and_retried(tmp_path: Path) -> None:
             await runtime.stop()
 
     answers, sizes = asyncio.run(run())
+    total = torch.cuda.get_device_properties(0).total_memory
+    record_property("figure", f"batch sizes run {sizes} (an item takes 40% of {total / 2**30:.1f} GiB); "
+                              f"{len(answers)} of 4 answered in order")
     assert [a.output for a in answers] == ["0", "1", "2", "3"]
     assert sizes[0] == 4 and max(sizes[1:]) <= 2
 
 
-def test_residency_on_a_gpu_evicts_by_nvml_and_memory_comes_back(tmp_path: Path) -> None:
+def test_residency_on_a_gpu_evicts_by_nvml_and_memory_comes_back(
+    tmp_path: Path, store: Path, record_property: Any
+) -> None:
     """Three on-demand ResNet-18s on cuda:0 (declared at 102 MB of weights each) in a budget that
     holds two beside what the card uses now: round robin loads and evicts, every request is
     answered, and each unload shows in NVML."""
@@ -119,7 +142,6 @@ def test_residency_on_a_gpu_evicts_by_nvml_and_memory_comes_back(tmp_path: Path)
     probe.close()
     weights = 102_000_000  # declared: makes two fit and three not, whatever the card holds
     budget = used_now + 2 * weights + 1_500_000_000  # two models and their batches, not three
-    store = Path(__file__).resolve().parents[1] / "model_store"
     models = "".join(
         f"  r{i}: {{plugin: resnet, device: 'cuda:0', options: {{arch: resnet18, weights: resnet18.pt}}, "
         f"residency: on_demand, memory: {{weights: {weights}, per_item: 20MB}}}}\n" for i in range(3)
@@ -149,4 +171,6 @@ def test_residency_on_a_gpu_evicts_by_nvml_and_memory_comes_back(tmp_path: Path)
     assert evictions >= 1
     returned = [m.residency.last_unload_returned_bytes for m in models_after
                 if m.residency and m.residency.last_unload_returned_bytes is not None]
+    record_property("figure", f"{len(answers)} answered, {evictions} evictions, last unloads returned "
+                              f"{[round(r / MiB) for r in returned]} MiB")
     assert returned and all(r > 0 for r in returned)

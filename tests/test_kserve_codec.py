@@ -24,21 +24,11 @@ from router.errors import (
     QueueFull,
     UnsupportedMediaType,
 )
-from router.http.kserve.codec import (
-    InferRequest,
-    InputKind,
-    ItemFailed,
-    RequestedOutput,
-    Signature,
-    decode_request,
-    encode_error,
-    encode_response,
-    router_priority,
-    select_outputs,
-    signature,
-    to_payloads,
-)
-from router.http.kserve.tensors import Tensor, serialize_bytes
+from router.http.kserve.codec import decode_request, encode_error, encode_response
+from router.inference_protocol.payloads import InputKind, Signature, select_outputs, signature, to_payloads
+from router.inference_protocol.request import InferRequest, RequestedOutput, router_priority
+from router.inference_protocol.submission import ItemFailed
+from router.inference_protocol.tensors import Tensor, serialize_bytes
 from router.sdk.images import decode_image
 
 IMAGE = signature(("image/jpeg", "image/png", "application/octet-stream"))
@@ -90,8 +80,8 @@ def test_json_tensors_flat_or_nested_with_their_datatypes() -> None:
 
 @pytest.mark.parametrize(("tensor", "message"), [
     ({"name": "x", "datatype": "FLOAT", "shape": [1], "data": [1]},
-     "input 'x': datatype must be one of BOOL, UINT8, UINT16, UINT32, UINT64, INT8, INT16, INT32, INT64, "
-     "FP16, FP32, FP64, BF16, BYTES, got 'FLOAT'"),
+     ("input 'x': datatype must be one of BOOL, UINT8, UINT16, UINT32, UINT64, INT8, INT16, INT32, INT64, "
+      "FP16, FP32, FP64, BF16, BYTES, got 'FLOAT'")),
     ({"name": "x", "datatype": "FP32", "shape": [-1, 2], "data": [1, 2]},
      "input 'x': shape must be a non-empty list of non-negative integers, got [-1, 2]"),
     ({"name": "x", "datatype": "FP32", "shape": [], "data": []},
@@ -110,8 +100,15 @@ def test_json_tensors_flat_or_nested_with_their_datatypes() -> None:
     ({"name": "x", "datatype": "BYTES", "shape": [2], "data": ["a"]}, "input 'x': shape [2] needs 2 elements, 'data' has 1"),
     ({"name": "x", "datatype": "FP32", "shape": [1]}, "input 'x' has no 'data' and no binary_data_size parameter"),
     ({"datatype": "FP32", "shape": [1], "data": [1]}, "inputs[0] must be an object with a string 'name'"),
-    ({"name": "x", "datatype": "FP32", "shape": [1], "data": [1], "parameters": {"shared_memory_region": "r"}},
-     "input 'x': shared memory is not supported; send the data in the request"),
+    ({"name": "x", "datatype": "FP32", "shape": [1], "parameters": {"shared_memory_region": "r"}},
+     "input 'x': parameter shared_memory_byte_size must be a non-negative integer, got None"),
+    ({"name": "x", "datatype": "FP32", "shape": [1], "parameters": {"shared_memory_byte_size": 4}},
+     "input 'x': shared_memory_byte_size needs shared_memory_region"),
+    ({"name": "x", "datatype": "FP32", "shape": [1], "data": [1],
+      "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 4}},
+     "input 'x' is in shared memory; it cannot have 'data' or binary_data_size too"),
+    ({"name": "x", "datatype": "FP32", "shape": [1], "parameters": {"shared_memory_region": "r", "shared_memory_byte_size": 4}},
+     "input 'x': shared memory is not supported here; send the data in the request"),
 ])
 def test_bad_json_tensors_are_clear_400s(tensor: dict[str, Any], message: str) -> None:
     assert bad(json_request([tensor])).startswith(message)
@@ -184,12 +181,12 @@ def binary_body(size: int, payload: bytes, *, datatype: str = "FP32", shape: lis
 
 
 @pytest.mark.parametrize(("case", "message"), [
-    (binary_body(8, b"\0" * 8)[0:1] + ("abc",), "Inference-Header-Content-Length must be an integer, got 'abc'"),
+    (binary_body(8, b"\0" * 8)[0:1] + ("abc",), "Inference-Header-Content-Length must be a number of bytes in decimal digits, got 'abc'"),
     (binary_body(8, b"\0" * 8)[0:1] + ("0",), "Inference-Header-Content-Length is 0, but the body has"),
     (binary_body(8, b"\0" * 8)[0:1] + ("100000",), "Inference-Header-Content-Length is 100000, but the body has"),
     (binary_body(8, b"\0" * 8)[0:1] + ("5",), "the first 5 bytes (Inference-Header-Content-Length) must be the JSON"),
     (binary_body(12, b"\0" * 8), "input 'x': binary_data_size 12 runs past the end of the body (8 bytes of binary data left)"),
-    (binary_body(4, b"\0" * 4), "input 'x': shape [2] of FP32 needs 8 bytes, binary_data_size is 4"),
+    (binary_body(4, b"\0" * 4), "input 'x': shape [2] of FP32 needs 8 bytes, the binary data has 4"),
     (binary_body(8, b"\0" * 12), "4 bytes of binary data follow the inputs' binary_data_size total of 8"),
     (binary_body(-1, b""), "input 'x': binary_data_size must be a non-negative integer, got -1"),
     (binary_body(6, struct.pack("<I", 9) + b"ab", datatype="BYTES", shape=[1]),

@@ -15,12 +15,12 @@ import pytest
 
 from router.scheduling.probes import (
     HostMemoryProbe,
-    _meminfo_kib,
     MemoryProbe,
     MemoryReading,
     NvmlProbe,
     ProbeError,
     ProcessMemoryProbe,
+    _meminfo_kib,
     make_probe,
 )
 from tests.probes import ScriptedProbe
@@ -296,7 +296,7 @@ def test_nvml_probe_without_a_gpu_raises_probe_error() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="no CUDA GPU (torch.cuda.is_available() is False)")
-def test_nvml_probe_agrees_with_torch_on_the_first_visible_gpu() -> None:
+def test_nvml_probe_agrees_with_torch_on_the_first_visible_gpu(record_property: Any) -> None:
     import torch
 
     probe = NvmlProbe("cuda:0")
@@ -305,6 +305,8 @@ def test_nvml_probe_agrees_with_torch_on_the_first_visible_gpu() -> None:
         free, total = torch.cuda.mem_get_info(0)
     finally:
         probe.close()
+    record_property("figure", f"NVML used {reading.used_bytes / MiB:.0f} MiB, torch {(total - free) / MiB:.0f} MiB "
+                              f"(of {total / MiB:.0f} MiB)")
 
     assert abs(reading.total_bytes - total) <= 0.02 * total
     assert abs(reading.used_bytes - (total - free)) <= 0.02 * total + 512 * MiB

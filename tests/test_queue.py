@@ -8,7 +8,7 @@ import pytest
 
 from router.config import BatchPolicy
 from router.errors import ModelError, PayloadTooLarge, QueueFull
-from router.scheduling.queue import BatchFacts, BatchResult, DrainRate, ModelQueue, Served, Ticket, TicketState
+from router.scheduling.queue import BatchFacts, BatchResult, DrainRate, ModelQueue, Ticket, TicketState
 
 
 def ticket(request_id: str, *, priority: int = 1, at: float = 0.0) -> Ticket:
@@ -60,11 +60,11 @@ def test_a_batch_result_answers_each_ticket_once_with_the_batch_it_rode() -> Non
         done, failed, answered = (Ticket(n, None, 1, 0.0, 10.0, loop.create_future()) for n in ("done", "failed", "x"))
         answered.future.set_result("earlier")
         error = ModelError("boom")
-        BatchResult([(done, "out"), (answered, "late")], [(failed, error)], size=3, execution_s=0.25,
+        BatchResult([(done, "out"), (answered, "late")], [(failed, error)], size=3, execution_s=0.25, finished_at=7.5,
                     memory_delta_bytes=-4).resolve(dispatched_at=7.0)
-        assert done.future.result() == Served("out", BatchFacts(3, 7.0, 0.25, -4))
-        assert failed.future.exception() is error
-        assert answered.future.result() == "earlier"  # answered once: the first answer stands
+        assert done.future.result() == "out" and done.batch == BatchFacts(3, 7.0, 0.25, 7.5, -4)
+        assert failed.future.exception() is error and failed.batch == done.batch
+        assert answered.future.result() == "earlier" and answered.batch is None  # answered once: the first stands
     finally:
         loop.close()
 

@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import re
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -105,8 +104,8 @@ async def front(kind: str, tmp_path: Path) -> AsyncIterator[Front]:
 async def _split_host(path: Path, tmp_path: Path) -> AsyncIterator[EngineClient]:
     socket_path = tmp_path / "engine.sock"
     env = {**os.environ, "MODEL_ROUTER_CONFIG": str(path), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
-    engine = subprocess.Popen([sys.executable, "-m", "router.host.engine_main", "--socket", str(socket_path),
-                               "--parent", str(os.getpid())], env=env)
+    engine = await asyncio.create_subprocess_exec(sys.executable, "-m", "router.host.engine_main", "--socket",
+                                                  str(socket_path), "--parent", str(os.getpid()), env=env)
     client = EngineClient(socket_path, 1)
     try:
         await client.start()
@@ -117,7 +116,7 @@ async def _split_host(path: Path, tmp_path: Path) -> AsyncIterator[EngineClient]
     finally:
         await client.stop()
         engine.terminate()
-        engine.wait(30)
+        await asyncio.wait_for(engine.wait(), 30)
 
 
 async def error_of(work: Callable[[], Awaitable[Any]] | Callable[[], Any]) -> RouterError:

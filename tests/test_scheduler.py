@@ -251,7 +251,7 @@ async def test_a_request_that_would_be_answered_after_its_deadline_is_504_at_dis
     assert r.batches == [["ok0"]]
     with pytest.raises(DeadlineExceeded, match="not run"):
         doomed[0].future.result()
-    assert kept[0].future.result().output == "ok0"
+    assert kept[0].future.result() == "ok0"
 
 
 async def test_a_batch_waits_for_its_delay_unless_it_is_full() -> None:
@@ -286,7 +286,7 @@ async def test_the_loop_restarts_after_a_crash_and_still_dispatches(monkeypatch:
     try:
         [ticket] = enqueue(m, clock, 1)
         sched.notify()
-        assert (await asyncio.wait_for(ticket.future, 5)).output == "r0"
+        assert await asyncio.wait_for(ticket.future, 5) == "r0"
     finally:
         await sched.stop()
     assert sched.restarts == 1

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 from router.config import BatchPolicy
 from router.scheduling.queue import ModelQueue, Ticket
 from router.scheduling.service_time import (
-    GateDecision,
     HALF_LIFE_S,
     BatchTime,
     DecayingTotal,
+    GateDecision,
     HalfOpenGate,
     InstanceLoad,
     Lag,

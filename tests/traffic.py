@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import httpx
 
 from tests.conftest import REPO
 
-__all__ = ["FLEET", "NVML", "TRAFFIC", "Client", "traffic"]
+__all__ = ["FLEET", "NVML", "TRAFFIC", "Answered", "Client", "traffic"]
 
 FLEET = """
 devices:
@@ -45,8 +46,20 @@ class Client:
     pause_s: float = 0.0  # between requests; after a 503 at least 20 ms, so refused clients do not spin
 
 
+@dataclass(frozen=True)
+class Answered:
+    """One answer the clients got: when (time.monotonic), from which model, its status."""
+
+    at: float
+    model: str
+    status: int
+    retry_after: str | None
+
+
 @contextmanager
-def traffic(url: str, clients: Sequence[Client], headers: dict[str, str] | None = None) -> Iterator[None]:
+def traffic(url: str, clients: Sequence[Client], headers: dict[str, str] | None = None,
+            answers: list[Answered] | None = None) -> Iterator[None]:
+    """Closed-loop clients until the block ends; with `answers`, every answer is appended to it."""
     stop = threading.Event()
 
     def run(client: Client) -> None:
@@ -60,6 +73,9 @@ def traffic(url: str, clients: Sequence[Client], headers: dict[str, str] | None 
                     answer = http.post(f"/models/{client.model}/predict", content=body)
                 except httpx.HTTPError:
                     continue
+                if answers is not None:
+                    answers.append(Answered(time.monotonic(), client.model, answer.status_code,
+                                            answer.headers.get("retry-after")))
                 if client.pause_s or answer.status_code == 503:
                     stop.wait(max(client.pause_s, 0.02))
 

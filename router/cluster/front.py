@@ -36,6 +36,7 @@ from router.serving.rules import ModelFigures, Refusal, Terms, admit
 from router.serving.runtime import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
 from router.serving.telemetry import Telemetry, TelemetryFanout
+from router.tracing.api import Phases, within_phase
 
 __all__ = ["ClusterRuntime", "PredictCall", "ReplicaCalls"]
 
@@ -95,7 +96,7 @@ class ClusterRuntime:
     async def refresh(self) -> None:
         try:
             self.reports = await self.calls.view()
-        except Exception as exc:  # placement restarting: keep the last view
+        except Exception as exc:  # noqa: BLE001  # placement restarting: keep the last view
             log.warning("cluster view not refreshed: %s: %s", type(exc).__name__, exc)
 
     async def _refresh_loop(self) -> None:
@@ -193,13 +194,15 @@ class ClusterRuntime:
         self.telemetry.observe_request(model, outcome, self.clock() - started)
 
     async def submit(self, model: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
-                     request_id: str | None = None, received_at: float | None = None) -> Answer:
+                     request_id: str | None = None, received_at: float | None = None,
+                     trace: Phases | None = None) -> Answer:
+        """With `trace`, the whole stay on a replica (its queue, batch and hooks) is one phase, "replica"."""
         config = self._config(model)
         started = self.clock() if received_at is None else min(received_at, self.clock())
         with self._inflight.request(lambda outcome: self._count(model, outcome, started)):
             admission = admit(Terms(model, started, priority, timeout_ms), self._figures(model, config), self.clock())
-            return await self._route(model, config, payload, priority, request_id or uuid.uuid4().hex,
-                                     admission.deadline)
+            work = self._route(model, config, payload, priority, request_id or uuid.uuid4().hex, admission.deadline)
+            return await (work if trace is None else within_phase(trace, "replica", self.clock, work))
 
     async def _route(self, model: str, config: ModelConfig, payload: Payload, priority: int | None, request_id: str,
                      deadline: float) -> Answer:

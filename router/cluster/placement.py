@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from router.cluster.reports import Command, ReplicaReport
 
-__all__ = ["CopyPolicy", "CopyPlan", "plan_copies"]
+__all__ = ["CopyPlan", "CopyPolicy", "plan_copies"]
 
 
 @dataclass(frozen=True)

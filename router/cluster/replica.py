@@ -111,7 +111,7 @@ class DeviceReplica:
                     self._apply(command)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  # a failed report is retried next period
                 log.warning("report to placement failed (retrying): %s: %s", type(exc).__name__, exc)
             await asyncio.sleep(self._period_s)
 

@@ -26,6 +26,7 @@ from router.cluster.metrics import ClusterMetrics
 from router.config import FleetConfig, ServerSettings
 from router.http.app import create_app
 from router.http.auth import policy_from_settings
+from router.tracing import tracing_from_environment
 
 __all__ = ["FrontServer", "IngressFront", "build_front_app"]
 
@@ -35,13 +36,14 @@ log = logging.getLogger("router.cluster.server")
 def build_front_app(
     fleet: FleetConfig, devices: Mapping[str, DeploymentHandle[Any]], placement: DeploymentHandle[Any],
 ) -> Litestar:
-    """The router's app (settings from MODEL_ROUTER_* in the replica's environment) over the cluster."""
+    """The router's app (settings from MODEL_ROUTER_* and OTEL_* in the replica's environment) over the cluster."""
     settings = ServerSettings()
     runtime = ClusterRuntime(fleet, RayCalls(devices, placement))
     metrics = ClusterMetrics()
     metrics.bind_cluster(runtime)
     return create_app(runtime, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
-                      access_policy=policy_from_settings(settings), bound_metrics=metrics)
+                      access_policy=policy_from_settings(settings), bound_metrics=metrics,
+                      tracing=tracing_from_environment())
 
 
 class FrontServer:

@@ -11,21 +11,18 @@ answered 503 with Retry-After at once, and the client reconnects to the engine's
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from router.errors import (
     ConfigError,
-    DeadlineExceeded,
-    EngineUnavailable,
     ModelChanged,
     ModelError,
     ModelNotFound,
@@ -36,45 +33,47 @@ from router.errors import (
 )
 from router.host.arena import Arena
 from router.host.board import BoardReader
+from router.host.exchange import GRACE_S, Exchanges, engine_gone
 from router.host.front_models import FrontModel, FrontModels
-from router.host.messages import Call, CallReply, Cancel, Lags, Models, Packed, PayloadRef, Release, Reply, Snapshot, Submit
+from router.host.messages import BatchFacts as BatchFactsMessage
+from router.host.messages import (
+    CallReply,
+    Lags,
+    Models,
+    Packed,
+    PayloadRef,
+    Reply,
+    Snapshot,
+    Submit,
+    span_bytes,
+    span_ref,
+)
 from router.host.messages import Terms as TermsMessage
 from router.host.packing import Packer, unpack
 from router.host.stream import EngineStream, handshake
 from router.host.verbs import call_args, decode_result
+from router.scheduling.queue import BatchFacts
 from router.sdk.plugin import Payload
 from router.serving.checks import check_answer, check_media_type
 from router.serving.editor import ReloadReport
 from router.serving.inflight import InFlight
+from router.serving.phases import trace_execution
 from router.serving.residency_executor import UnloadReport
 from router.serving.rules import Terms, admit
 from router.serving.runtime import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
 from router.serving.telemetry import Telemetry, TelemetryFanout
+from router.tracing.api import Phases, within_phase
 
 __all__ = ["REQUEST_ARENA_BYTES", "EngineClient"]
 
 log = logging.getLogger("router.host.client")
+T = TypeVar("T")
 REQUEST_ARENA_BYTES = 256 * 1024 * 1024
 RECONNECT_S = 0.1
 #: How long a front waits at start for the engine before it serves anyway (answering 503 until then).
 START_WAIT_S = 60.0
 LAGS_EVERY_S = 0.05
-#: After a request's deadline the engine answers at once, or when its running batch ends: past that
-#: and this grace the front gives up on it (an engine that hangs).
-GRACE_S = 2.0
-ENGINE_GONE = "the engine process is restarting; retry shortly"
-
-
-class _Waiting:
-    """A request sent to the engine, until its reply."""
-
-    __slots__ = ("expired", "future", "offsets", "timer")
-
-    def __init__(self, future: asyncio.Future[Reply], offsets: list[int]) -> None:
-        self.future, self.offsets = future, offsets
-        self.timer: asyncio.TimerHandle | None = None
-        self.expired = False
 
 
 class EngineClient:
@@ -86,15 +85,13 @@ class EngineClient:
         self.front = front
         self.clock = clock
         self.telemetry = TelemetryFanout()
-        self.hooks = HookRunner(cpu_workers, name="front-cpu", clock=clock)
+        self.hooks = HookRunner(cpu_workers, name="front", clock=clock)
         self.arena = Arena.create(f"model-router-requests-{front}", arena_bytes)
         self._packer = Packer(self.arena)
         self._fleet = FrontModels()
         self._inflight = InFlight()
         self._preparing: Counter[str] = Counter()  # requests prepared here, not yet sent
-        self._waiting: dict[int, _Waiting] = {}
-        self._calls: dict[int, asyncio.Future[CallReply]] = {}
-        self._ids = itertools.count(1)
+        self._exchanges = Exchanges(self.arena, clock)
         self._stream: EngineStream | None = None
         self._board: BoardReader | None = None
         self._answers: Arena | None = None
@@ -140,7 +137,7 @@ class EngineClient:
             self._answers = Arena.attach(shake.answer_fd, shake.welcome.arena_bytes)
             stream = EngineStream(shake.frames, self._on_message, self._on_lost)
             await loop.create_unix_connection(lambda stream=stream: stream, sock=shake.sock)  # type: ignore[misc]
-            self._stream = stream
+            self._stream = self._exchanges.stream = stream
             for message in shake.early:
                 self._on_message(message)
             log.info("front %d connected to the engine (pid %d, epoch %d)", self.front, shake.welcome.engine_pid,
@@ -153,22 +150,12 @@ class EngineClient:
         """The engine is gone: answer everything open with 503 at once; its regions were all ours to reuse."""
         if self._stream is None:
             return
-        log.error("front %d lost the engine with %d request(s) open", self.front, len(self._waiting))
+        log.error("front %d lost the engine with %d request(s) open", self.front, self._exchanges.open)
         self._stream = None
         self._connected.clear()
         self._synced.clear()
         self._board, self._snapshot, self._raw_snapshot = None, None, None
-        waiting, self._waiting = self._waiting, {}
-        for entry in waiting.values():
-            if entry.timer is not None:
-                entry.timer.cancel()
-            if not entry.future.done():
-                entry.future.set_exception(EngineUnavailable(ENGINE_GONE, retry_after_s=2.0))
-        for call in self._calls.values():
-            if not call.done():
-                call.set_exception(EngineUnavailable(ENGINE_GONE, retry_after_s=2.0))
-        self._calls.clear()
-        self.arena.reset()
+        self._exchanges.lost()
         if self._answers is not None:
             self._answers.close()
             self._answers = None
@@ -177,7 +164,7 @@ class EngineClient:
 
     def _on_message(self, message: Any) -> None:
         if isinstance(message, Reply):
-            self._on_reply(message)
+            self._exchanges.on_reply(message)
         elif isinstance(message, Models):
             for model in self._fleet.update(message.models):
                 self._spawn(self._fleet.adopt(model), f"adopt-{model.name}")
@@ -185,26 +172,7 @@ class EngineClient:
             self._raw_snapshot, self._snapshot = message, None
             self._synced.set()
         elif isinstance(message, CallReply):
-            future = self._calls.pop(message.id, None)
-            if future is not None and not future.done():
-                future.set_result(message)
-
-    def _on_reply(self, reply: Reply) -> None:
-        entry = self._waiting.pop(reply.id, None)
-        if entry is None:
-            return
-        for offset in entry.offsets:  # the engine no longer reads them
-            self.arena.free(offset)
-        if entry.timer is not None:
-            entry.timer.cancel()
-        if not entry.future.done():
-            entry.future.set_result(reply)
-        elif reply.output is not None and reply.output.regions:
-            self._release(reply.output)  # nobody waits for it any more
-
-    def _release(self, packed: Packed) -> None:
-        if self._stream is not None and packed.regions:
-            self._stream.send(Release(tuple(offset for offset, _ in packed.regions)))
+            self._exchanges.on_call_reply(message)
 
     async def stop(self) -> None:
         for task in list(self._tasks):
@@ -268,7 +236,7 @@ class EngineClient:
         model = self._fleet.get(name)
         if model is None:
             if self._stream is None:
-                raise EngineUnavailable(ENGINE_GONE, retry_after_s=2.0)
+                raise engine_gone()
             raise self._not_found(name)
         return model
 
@@ -277,7 +245,7 @@ class EngineClient:
         Returns the request's deadline."""
         board = self._board
         if board is None or self._stream is None:
-            raise EngineUnavailable(ENGINE_GONE, retry_after_s=2.0)
+            raise engine_gone()
         if self._draining:
             raise ShuttingDown("server is shutting down; retry on another replica", retry_after_s=5.0)
         read = board.figures(model.entry.slot, model.name)
@@ -301,66 +269,84 @@ class EngineClient:
 
     async def submit(self, model: str, payload: Payload, *, priority: int | None = None,
                      timeout_ms: float | None = None, request_id: str | None = None,
-                     received_at: float | None = None) -> Answer:
+                     received_at: float | None = None, trace: Phases | None = None) -> Answer:
+        """With `trace` (a sampled request's), its phases here (admission, preprocess, queue wait,
+        execute from the engine's batch facts, linked to the engine's batch span, postprocess)."""
         front = self._model(model)
         request_id = request_id or uuid.uuid4().hex
         started = self.clock() if received_at is None else min(received_at, self.clock())
         terms = Terms(model, started, priority, timeout_ms)
         with self._inflight.request(lambda outcome: self._count(model, outcome, started)):
-            deadline = self._screen(front, terms)
-            if front.accepts:  # else the engine, which has the plugin, checks
-                check_media_type(model, front.accepts, payload)
-            answer = None
-            if front.prepares_here:
-                try:
-                    answer = await self._prepared(front, terms, deadline, payload, request_id)
-                except ModelChanged:  # a new version serves: prepared again, in the engine
-                    pass
-            if answer is None:
-                answer = await self._whole(front, terms, deadline, payload, request_id)
+            work = self._submit(front, terms, payload, request_id, trace)
+            answer, deadline = await (work if trace is None else within_phase(trace, "admission", self.clock, work))
             self.telemetry.observe_answer(model, self.clock() - started, deadline - started)
             return answer
 
+    async def _submit(self, front: FrontModel, terms: Terms, payload: Payload, request_id: str,
+                      trace: Phases | None) -> tuple[Answer, float]:
+        deadline = self._screen(front, terms)
+        if front.accepts:  # else the engine, which has the plugin, checks
+            check_media_type(front.name, front.accepts, payload)
+        if front.prepares_here:
+            try:
+                return await self._prepared(front, terms, deadline, payload, request_id, trace), deadline
+            except ModelChanged:  # a new version serves: prepared again, in the engine
+                pass
+            except _FrontHookFailed as failed:  # prepared again in the engine: if that works, from now on
+                answer = await self._whole(front, terms, deadline, payload, request_id, trace)
+                self._fleet.serve_from_engine(front, failed.hook, failed.error)
+                return answer, deadline
+        return await self._whole(front, terms, deadline, payload, request_id, trace), deadline
+
     async def _prepared(self, front: FrontModel, terms: Terms, deadline: float, payload: Payload,
-                        request_id: str) -> Answer:
+                        request_id: str, trace: Phases | None) -> Answer:
         """Preprocess here, the batch in the engine, postprocess here."""
         plugin, name = front.plugin, front.name
         assert plugin is not None
+        if trace is not None:
+            trace.enter("preprocess", self.clock())
         self._preparing[name] += 1
         try:
-            item = await self.hooks.run(name, front.entry.plugin, "preprocess", plugin.preprocess, payload,
-                                        deadline=deadline)
+            item = await _front_hook(self.hooks.run(name, front.entry.plugin, plugin, "preprocess", payload,
+                                                    deadline=deadline), "preprocess")
             packed = self._pack(item)
         finally:
             self._preparing[name] -= 1
-        reply = await self._exchange(front, terms, deadline, request_id, len(payload.body), item=packed)
+        reply, queued_at = await self._exchange(front, terms, deadline, request_id, len(payload.body), trace,
+                                                item=packed)
         assert reply.output is not None and reply.facts is not None
+        if trace is not None:
+            trace_execution(trace, batch_facts(reply.facts), self.clock())
         try:
             output = unpack(reply.output, self._answers)
-            result = await self.hooks.run(name, front.entry.plugin, "postprocess", plugin.postprocess, output, item)
+            result = await _front_hook(self.hooks.run(name, front.entry.plugin, plugin, "postprocess", output, item,
+                                                      deadline=deadline), "postprocess")
         finally:
-            self._release(reply.output)
+            self._exchanges.release(reply.output)
         check_answer(name, front.entry.plugin, result)
         facts = reply.facts
         now = self.clock()
         lag = self._lags.setdefault(name, [0, 0.0])
         lag[0] += 1
         lag[1] += max(0.0, now - facts.dispatched_at - facts.execution_s)
-        wait = max(0.0, facts.dispatched_at - facts.arrived_at)
+        # The wait as this request saw it: from handing it to the engine to its batch's start (the
+        # engine's own count, `queue_wait_s`, leaves out the trip over the socket). Its trace's
+        # queue-wait phase is the same interval.
+        wait = max(0.0, facts.dispatched_at - queued_at)
         self.telemetry.observe_queue_wait(name, wait)
         return Answer(request_id, name, result, wait, facts.size, facts.execution_s, facts.memory_delta_bytes,
                       plugin.describe_input(payload, item))
 
     async def _whole(self, front: FrontModel, terms: Terms, deadline: float, payload: Payload,
-                     request_id: str) -> Answer:
+                     request_id: str, trace: Phases | None) -> Answer:
         """Hooks in the engine: the raw body there, the final answer back."""
         body, packing = self._packer.pack(payload.body)
         ref = PayloadRef(payload.media_type, payload.filename, body)
-        reply = await self._exchange(front, terms, deadline, request_id, len(payload.body), payload=ref,
-                                     offsets=packing.offsets)
+        reply, _ = await self._exchange(front, terms, deadline, request_id, len(payload.body), trace, payload=ref,
+                                        offsets=packing.offsets)
         assert reply.answer is not None and reply.facts is not None
         facts = reply.facts
-        wait = -facts.arrived_at  # the engine's queue wait, as it measured it
+        wait = facts.queue_wait_s  # the engine's, as it measured it (it ran the hooks around it)
         self.telemetry.observe_queue_wait(front.name, wait)
         info = msgspec.msgpack.decode(reply.input_info) if reply.input_info else {}
         return Answer(request_id, front.name, msgspec.msgpack.decode(reply.answer), wait, facts.size,
@@ -369,51 +355,26 @@ class EngineClient:
     def _pack(self, item: Any) -> tuple[Packed, list[int]]:
         try:
             packed, packing = self._packer.pack(item)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  # whatever pickling raises: the plugin's item, a 500
             raise ModelError(f"the preprocessed input cannot reach the engine: {type(exc).__name__}: {exc}") from None
         self.inline_buffers += packing.inline_buffers
         return packed, packing.offsets
 
     async def _exchange(self, front: FrontModel, terms: Terms, deadline: float, request_id: str, input_bytes: int,
-                        *, item: tuple[Packed, list[int]] | None = None, payload: PayloadRef | None = None,
-                        offsets: list[int] | None = None) -> Reply:
-        """One Submit, its one Reply. At the deadline the engine is told (it withdraws a queued
-        request: 504); a client gone cancels it there."""
-        stream = self._stream
-        if stream is None:
-            for offset in (item[1] if item else offsets or []):
-                self.arena.free(offset)
-            raise EngineUnavailable(ENGINE_GONE, retry_after_s=2.0)
-        number = next(self._ids)
-        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        entry = _Waiting(future, item[1] if item else offsets or [])
-        self._waiting[number] = entry
-        stream.send(Submit(number, TermsMessage(terms.model, terms.received_at, terms.priority, terms.timeout_ms,
-                                                terms.items), request_id, front.entry.generation, input_bytes,
-                           item[0] if item else None, payload))
-        entry.timer = asyncio.get_running_loop().call_later(max(0.0, deadline - self.clock()), self._expire, number,
-                                                            front.entry.execution_timeout_ms / 1000 + GRACE_S)
-        try:
-            reply = await future
-        except asyncio.CancelledError:
-            if number in self._waiting and self._stream is not None:
-                self._stream.send(Cancel(number, False))  # the reply still comes, and frees the regions
-            raise
-        if reply.failure is not None:
-            raise reply.failure.error()
-        return reply
-
-    def _expire(self, number: int, grace_s: float) -> None:
-        entry = self._waiting.get(number)
-        if entry is None or self._stream is None:
-            return
-        if not entry.expired:
-            entry.expired = True
-            self._stream.send(Cancel(number, True))
-            entry.timer = asyncio.get_running_loop().call_later(grace_s, self._expire, number, grace_s)
-        elif not entry.future.done():  # an engine that does not answer: give up on it (the reply may still come)
-            entry.future.set_exception(DeadlineExceeded("the engine did not answer within the deadline and the "
-                                                        "model's execution timeout"))
+                        trace: Phases | None, *, item: tuple[Packed, list[int]] | None = None,
+                        payload: PayloadRef | None = None, offsets: list[int] | None = None) -> tuple[Reply, float]:
+        """One Submit, its one Reply (`Exchanges.submit`), and when it was handed to the engine."""
+        exchanges = self._exchanges
+        submit = Submit(exchanges.number(), TermsMessage(terms.model, terms.received_at, terms.priority,
+                                                         terms.timeout_ms, terms.items),
+                        request_id, front.entry.generation, input_bytes, item[0] if item else None, payload,
+                        span_bytes(trace.ref) if trace is not None else None)
+        work = exchanges.submit(submit, item[1] if item else offsets or [], deadline,
+                                front.entry.execution_timeout_ms / 1000 + GRACE_S)
+        queued_at = self.clock()
+        if trace is not None:
+            trace.enter("queue wait", queued_at)
+        return await work, queued_at
 
     async def _report_lags(self) -> None:
         """The time from batch end to answer, per model, for the engine's deadline gate."""
@@ -427,14 +388,7 @@ class EngineClient:
 
     async def _call(self, verb: str, **args: Any) -> Any:
         await asyncio.wait_for(self._connected.wait(), 30.0)
-        stream = self._stream
-        if stream is None:
-            raise EngineUnavailable(ENGINE_GONE, retry_after_s=2.0)
-        number = next(self._ids)
-        future: asyncio.Future[CallReply] = asyncio.get_running_loop().create_future()
-        self._calls[number] = future
-        stream.send(Call(number, verb, call_args(**args)))
-        reply = await future
+        reply = await self._exchanges.call(verb, call_args(**args))
         if reply.failure is not None:
             if reply.failure.kind == "ConfigError":
                 raise ConfigError(reply.failure.detail)
@@ -474,16 +428,33 @@ class EngineClient:
         try:
             await self._inflight.until_idle(timeout_s)
         except TimeoutError:
-            log.warning("drain timeout: answering %d remaining request(s) with 503", len(self._waiting))
-        for number, entry in list(self._waiting.items()):
-            if not entry.future.done():
-                entry.future.set_exception(ShuttingDown("server is shutting down"))
-            if self._stream is not None:
-                self._stream.send(Cancel(number, False))
+            log.warning("drain timeout: answering %d remaining request(s) with 503", self._exchanges.open)
+        self._exchanges.cancel_all(ShuttingDown("server is shutting down"))
         try:
             await self._inflight.until_idle(5.0)
         except TimeoutError:
             log.error("%d request(s) still in flight after drain", self._inflight.count)
+
+
+class _FrontHookFailed(Exception):
+    """A plugin's hook raised in this front (not a RouterError it meant): maybe it needs the model."""
+
+    def __init__(self, hook: str, error: ModelError) -> None:
+        super().__init__(error.detail)
+        self.hook, self.error = hook, error
+
+
+async def _front_hook(work: Awaitable[T], hook: str) -> T:
+    try:
+        return await work
+    except ModelError as exc:  # HookRunner's word for a plugin's own exception
+        raise _FrontHookFailed(hook, exc) from None
+
+
+def batch_facts(facts: BatchFactsMessage) -> BatchFacts:
+    """The engine's word on the batch a request rode, as the request path reads it."""
+    return BatchFacts(facts.size, facts.dispatched_at, facts.execution_s, facts.finished_at, facts.memory_delta_bytes,
+                      span_ref(facts.batch_trace))
 
 
 def _with_requests(info: ModelInfo, counts: Mapping[str, int] | None) -> ModelInfo:

@@ -29,10 +29,10 @@ from router.errors import ClientDisconnected, ModelError, RouterError
 from router.host.board import BOARD_BYTES, BoardWriter
 from router.host.fleet_news import FleetNews
 from router.host.links import FrontLink, Outgoing, Writer, accept_front, read_front
-from router.host.messages import BatchFacts, Call, Cancel, Failure, Lags, Submit
+from router.host.messages import BatchFacts, Call, Cancel, Failure, Lags, Submit, span_bytes, span_ref
 from router.host.packing import unpack
 from router.host.verbs import run_call
-from router.scheduling.queue import Served, Ticket, reject
+from router.scheduling.queue import Ticket, reject
 from router.sdk.plugin import Payload
 from router.serving.intake import Accepted, Turn
 from router.serving.rules import Terms
@@ -69,9 +69,9 @@ class TicketReply:
     def done(self) -> bool:
         return self._done
 
-    def set_result(self, served: Served) -> None:
+    def set_result(self, output: Any) -> None:
         self._done = True
-        self.server.served(self.pending, served)
+        self.server.served(self.pending, output)
 
     def set_exception(self, error: BaseException) -> None:
         self._done = True
@@ -222,7 +222,7 @@ class EngineServer:
         assert pending.accepted is not None
         try:
             pending.ticket = self.runtime.intake.enqueue(pending.accepted, item, TicketReply(self, pending),
-                                                         submit.request_id, submit.input_bytes)
+                                                         submit.request_id, submit.input_bytes, span_ref(submit.trace))
         except RouterError as exc:
             self.runtime.intake.unreserve(pending.accepted)
             self.failed(pending, exc)
@@ -256,7 +256,7 @@ class EngineServer:
         except asyncio.CancelledError:
             self._answer(pending, Outgoing(submit.id, failure=Failure.of(ClientDisconnected("cancelled"))))
             return
-        facts = BatchFacts(answer.batch_size, 0.0, answer.execution_s, answer.memory_delta_bytes, -answer.queue_wait_s)
+        facts = BatchFacts(answer.batch_size, 0.0, answer.execution_s, answer.memory_delta_bytes, answer.queue_wait_s)
         self._answer(pending, Outgoing(submit.id, answer=self.news.encode(answer.output),
                                        input_info=self.news.encode(answer.input_info), facts=facts))
 
@@ -269,12 +269,17 @@ class EngineServer:
                 self.runtime.intake.withdraw(pending.accepted, pending.ticket):
             reject(pending.ticket, error)
 
-    def served(self, pending: Pending, served: Served) -> None:
-        batch = served.batch
-        assert pending.ticket is not None
+    def served(self, pending: Pending, output: Any) -> None:
+        """A batch answered the request: the output goes to the front, which postprocesses it with
+        its own plugin object, so the instance's use ends here."""
+        ticket = pending.ticket
+        assert ticket is not None and ticket.batch is not None
+        batch = ticket.batch
+        if batch.instance is not None:
+            batch.instance.end_use()
         facts = BatchFacts(batch.size, batch.dispatched_at, batch.execution_s, batch.memory_delta_bytes,
-                           pending.ticket.arrived_at)
-        self._answer(pending, Outgoing(pending.id, output=served.output, facts=facts, packs=True))
+                           batch.dispatched_at - ticket.arrived_at, batch.finished_at, span_bytes(batch.batch_trace))
+        self._answer(pending, Outgoing(pending.id, output=output, facts=facts, packs=True))
 
     def failed(self, pending: Pending, error: BaseException) -> None:
         if not isinstance(error, RouterError):
@@ -305,6 +310,9 @@ class EngineServer:
 
     async def _call(self, link: FrontLink, call: Call) -> None:
         reply = await run_call(self.runtime, call, self.news)
+        # The board first: once a front has the reply (a model loaded, say), every front's next
+        # request reads the figures that follow from it, not the ones before.
+        self.news.publish_board(self.epoch)
         if link.alive:
             self.writer.put(link, [Outgoing(message=reply)])
         self.news.changed()

@@ -26,6 +26,7 @@ from router.logs import configure_logging
 from router.serving.plan import load_plan
 from router.serving.runtime import Runtime
 from router.serving.threads import apply_threads, available_cores, count_threads
+from router.tracing import tracing_from_environment
 
 __all__ = ["EngineEvents", "main"]
 
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings()
         plan = load_plan(settings.config)
+        tracing = tracing_from_environment()  # the batch spans, children of the fronts' request spans
     except ConfigError as exc:
         print(f"model-router engine: {exc}", file=sys.stderr)
         return 2
@@ -81,14 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     threads = count_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
     apply_threads(threads)
     metrics = RouterMetrics()
-    runtime = Runtime(plan, cpu_workers=threads.cpu_workers, telemetry=EngineEvents(metrics))
+    runtime = Runtime(plan, cpu_workers=threads.cpu_workers, telemetry=EngineEvents(metrics), tracing=tracing)
     run = _serve(runtime, metrics, args.socket, args.epoch, settings.drain_timeout_s)
     try:
-        import uvloop
+        try:
+            import uvloop
 
-        uvloop.run(run)
-    except ImportError:
-        asyncio.run(run)
+            uvloop.run(run)
+        except ImportError:
+            asyncio.run(run)
+    finally:
+        if tracing is not None:
+            tracing.shutdown()
     return 0
 
 
@@ -128,7 +134,7 @@ async def _reload(runtime: Runtime) -> None:
     log.info("received SIGHUP: re-reading the fleet file")
     try:
         report = await runtime.reload()
-    except Exception as exc:  # a bad file: say so, keep serving what serves
+    except Exception as exc:  # noqa: BLE001  # a bad file: say so, keep serving what serves
         log.error("reload on SIGHUP failed, nothing changed: %s", exc)
         return
     log.info("reload on SIGHUP: added %s, changed %s, removed %s, errors %s, warnings %s", report.added,

@@ -57,7 +57,7 @@ class FleetNews:
             return None
         try:
             state = pickle.dumps(serving.plugin.front_state(), protocol=5)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  # the plugin's state or its pickling: served from the engine
             log.warning("model %s: its front state cannot reach the fronts (%s: %s); its hooks run in the engine",
                         deployment.name, type(exc).__name__, exc, extra={"model": deployment.name})
             state = b""  # empty: the fronts send the raw body

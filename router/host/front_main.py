@@ -17,13 +17,16 @@ from pathlib import Path
 
 from router.config import ServerSettings, load_settings
 from router.errors import ConfigError
+from router.grpc.server import grpc_server
 from router.host.client import EngineClient
 from router.host.titles import die_with_parent, set_title
-from router.http.app import create_app
+from router.http.app import Listener, create_app
 from router.http.auth import policy_from_settings
 from router.http.server import run_server
+from router.inference_protocol.shared_memory import SharedMemoryRegistry
 from router.logs import configure_logging
 from router.serving.threads import available_cores
+from router.tracing import tracing_from_environment
 
 __all__ = ["listening_socket", "main"]
 
@@ -60,14 +63,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings()
         policy = policy_from_settings(settings)
+        tracing = tracing_from_environment()  # each process exports its own spans; a request's trace joins them
     except ConfigError as exc:
         print(f"model-router front {args.index}: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format, role=f"front {args.index}")
     client = EngineClient(args.socket, args.index, cpu_workers=front_cpu_workers(settings, args.workers))
+    # V2 system shared memory: one table of registrations for every front (the run directory's)
+    shared_memory = SharedMemoryRegistry(settings.shared_memory, table=args.socket.parent / "regions")
+    listeners: list[Listener] = []
+    if settings.grpc_port:  # every front serves gRPC too, on the same port (grpc.so_reuseport)
+        listeners.append(grpc_server(client, settings, policy, shared_memory))
     app = create_app(client, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
                      access_policy=policy, body_timeout_s=settings.body_timeout_s, max_items=settings.max_items,
-                     trim_memory=settings.trim_memory)
+                     trim_memory=settings.trim_memory, shared_memory=shared_memory, listeners=listeners,
+                     tracing=tracing)
     client.request_counts = app.state.metrics.request_counts
     sock = listening_socket(settings.host, settings.port)
     run_server(app, client, settings, sockets=[sock],

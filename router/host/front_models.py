@@ -3,9 +3,11 @@
 
 A model's hooks run in the engine instead (the front sends the raw body) while the front has no
 front state for it (never loaded yet), when its plugin says `preprocess_needs_model`, and when
-the front state does not make its `preprocess` work here: after adopting it, the front tries the
+the front state does not make its hooks work here: after adopting it, the front tries the
 plugin's own `example_payload()`, and a plugin that raises there (one written before the split,
-whose `preprocess` reads what `load` set) is served from the engine, with one log line saying so.
+whose `preprocess` reads what `load` set) is served from the engine, with one log line saying so;
+so is one whose hook raises here on a request that then succeeds in the engine (a `postprocess`
+that needs the model).
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class FrontModels:
             options = cls.Options.model_validate_json(entry.options)
             context = PluginContext(entry.name, Path(entry.store_dir), entry.allow_absolute_paths)
             plugin = cls(options, context)
-        except Exception as exc:  # the engine builds it; this front just cannot prepare its inputs
+        except Exception as exc:  # noqa: BLE001  # the engine builds it; this front just cannot prepare its inputs
             log.warning("model %s: its plugin does not build in a front (%s: %s); its hooks run in the engine",
                         entry.name, type(exc).__name__, exc, extra={"model": entry.name})
             return FrontModel(entry, None, ())
@@ -91,6 +93,13 @@ class FrontModels:
             cls = self._registry[name] = PluginRegistry.from_entry_points(only={name}).get(name).cls
         return cls
 
+    def serve_from_engine(self, model: FrontModel, hook: str, error: Exception) -> None:
+        """A hook that failed here worked in the engine: this plugin's hooks need the loaded model."""
+        log.warning("model %s: plugin %s failed in %s in a front process (%s) and worked in the engine; its hooks "
+                    "run in the engine from now on", model.name, model.entry.plugin, hook, error,
+                    extra={"model": model.name})
+        model.plugin = None
+
     async def adopt(self, model: FrontModel) -> None:
         """Hand the plugin its front state, then check that `preprocess` works here."""
         entry, plugin = model.entry, model.plugin
@@ -100,7 +109,7 @@ class FrontModels:
             example = plugin.example_payload()
             if example is not None:
                 await asyncio.to_thread(plugin.preprocess, example)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  # a plugin written before the split: served from the engine
             log.warning("model %s: plugin %s cannot preprocess in a front process with its front state (%s: %s); "
                         "its hooks run in the engine", entry.name, entry.plugin, type(exc).__name__, exc,
                         extra={"model": entry.name})

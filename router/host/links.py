@@ -94,7 +94,7 @@ def accept_front(sock: socket.socket, epoch: int, board_fd: int, board_bytes: in
         messages = frames.feed(more)
     hello = messages[0]
     if not isinstance(hello, Hello):
-        raise ValueError(f"a front's first message must be Hello, got {type(hello).__name__}")
+        raise ValueError(f"a front's first message must be Hello, got {type(hello).__name__}")  # noqa: TRY004
     request_arena = Arena.attach(fds[0], hello.arena_bytes)
     answer_arena = Arena.create(f"model-router-answers-{hello.front}", ANSWER_ARENA_BYTES)
     out = bytearray()
@@ -162,7 +162,7 @@ class Writer:
             link, items = job
             try:
                 self._write(link, items)
-            except Exception:  # one front's trouble must not stop the others' answers
+            except Exception:  # one front's trouble must not stop the others' answers (logged with its traceback)
                 log.exception("%s: writing failed", link.name)
 
     def _write(self, link: FrontLink, items: list[Outgoing]) -> None:
@@ -186,7 +186,7 @@ class Writer:
             if item.packs:
                 try:
                     output, packing = packer.pack(item.output)
-                except Exception as exc:  # an output pickle cannot carry
+                except Exception as exc:  # noqa: BLE001  # an output pickle cannot carry: that request's 500
                     failure = Failure("ModelError", f"the model's output cannot reach the front: {type(exc).__name__}: "
                                                     f"{exc}")
                     encode_frame(Reply(item.id, failure=failure), out)

@@ -13,11 +13,12 @@ from typing import Any
 import msgspec
 
 from router.errors import RouterError, error_named
+from router.tracing.api import SpanRef
 
 __all__ = [
     "BatchFacts", "Call", "CallReply", "Cancel", "EngineMessage", "Failure", "Frames", "FrontMessage",
     "Hello", "Lags", "ModelEntry", "Models", "Packed", "PayloadRef", "Release", "Reply", "Snapshot", "Submit",
-    "Terms", "Welcome", "encode_frame",
+    "Terms", "Welcome", "encode_frame", "span_bytes", "span_ref",
 ]
 
 HEADER = struct.Struct("<I")
@@ -73,11 +74,24 @@ class Failure(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 
 class BatchFacts(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """The batch a request rode (`router.scheduling.queue.BatchFacts`, less the instance)."""
+
     size: int
-    dispatched_at: float
+    dispatched_at: float  # 0.0 for an answer whose hooks ran in the engine (`queue_wait_s` says the wait)
     execution_s: float
     memory_delta_bytes: int | None = None
-    arrived_at: float = 0.0  # when the engine queued the ticket
+    queue_wait_s: float = 0.0  # the engine's: from queueing the ticket to its batch's dispatch
+    finished_at: float = 0.0
+    batch_trace: bytes | None = None  # the batch span's `SpanRef` (`span_bytes`)
+
+
+def span_bytes(ref: SpanRef | None) -> bytes | None:
+    """A span's identity in 24 bytes (W3C trace and span ids), for a message."""
+    return None if ref is None else ref.trace_id.to_bytes(16, "big") + ref.span_id.to_bytes(8, "big")
+
+
+def span_ref(data: bytes | None) -> SpanRef | None:
+    return None if data is None else SpanRef(int.from_bytes(data[:16], "big"), int.from_bytes(data[16:24], "big"))
 
 
 class ModelEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -113,6 +127,7 @@ class Submit(_Message):
     input_bytes: int
     item: Packed | None = None
     payload: PayloadRef | None = None
+    trace: bytes | None = None  # the sampled request's span (`span_bytes`), which its batch span links to
 
 
 class Cancel(_Message):

@@ -9,15 +9,17 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 from typing import Any
 
 import yaml
 from litestar import Request, Response, delete, post, put
+from litestar.params import FromPath
 
+from router.config import MAX_CONFIG_DEPTH, nesting_exceeds
 from router.errors import ConfigError, InputError
 from router.http.auth import Access
+from router.http.kserve.bounded_json import loads_bounded
 from router.http.request_state import runtime_of
 
 __all__ = ["ADMIN_ROUTES"]
@@ -27,18 +29,18 @@ MAX_SECTION_BYTES = 1 << 20
 
 
 @post("/models/{name:str}/load", status_code=200, summary="Load a model now and keep it resident", opt=ADMIN)
-async def load_model(name: str, request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def load_model(name: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, Any]:
     return (await runtime_of(request).load_model(name)).as_dict()
 
 
 @post("/models/{name:str}/unload", status_code=200, summary="Unload a model now and keep it out", opt=ADMIN)
-async def unload_model(name: str, request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def unload_model(name: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, Any]:
     info, reports = await runtime_of(request).unload_model(name)
     return {"model": info.as_dict(), "unloaded": [asdict(report) for report in reports]}
 
 
 @put("/models/{name:str}", summary="Add or change a model from its fleet-file section (JSON or YAML)", opt=ADMIN)
-async def put_model(name: str, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+async def put_model(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     section = _section(await request.body(), request.headers.get("content-type", ""))
     try:
         outcome, info = await runtime_of(request).put_model(name, section)
@@ -48,7 +50,7 @@ async def put_model(name: str, request: Request[Any, Any, Any]) -> Response[dict
 
 
 @delete("/models/{name:str}", status_code=200, summary="Remove a model: answer what it accepted, unload it", opt=ADMIN)
-async def delete_model(name: str, request: Request[Any, Any, Any]) -> dict[str, str]:
+async def delete_model(name: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, str]:
     await runtime_of(request).delete_model(name)
     return {"deleted": name}
 
@@ -68,12 +70,20 @@ def _section(body: bytes, media_type: str) -> dict[str, Any]:
         raise InputError("the body is empty; send the model's fleet-file section, e.g. {\"plugin\": \"resnet\", ...}")
     if len(body) > MAX_SECTION_BYTES:
         raise InputError(f"a model's section is at most {MAX_SECTION_BYTES} bytes")
-    try:
-        data = json.loads(body) if "json" in media_type else yaml.safe_load(body)
-    except (ValueError, yaml.YAMLError) as exc:
-        raise InputError(f"the body is not valid {'JSON' if 'json' in media_type else 'YAML'}: {str(exc)[:200]}") from None
+    too_deep = InputError(f"a model's section nests mappings and lists more than {MAX_CONFIG_DEPTH} levels deep")
+    if "json" in media_type:
+        data = loads_bounded(body, "the body", expected="valid JSON", limit=MAX_CONFIG_DEPTH)
+    else:
+        try:
+            data = yaml.safe_load(body)
+        except RecursionError:
+            raise too_deep from None
+        except (ValueError, yaml.YAMLError) as exc:
+            raise InputError(f"the body is not valid YAML (UTF-8 text): {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise InputError(f"a model's section must be a mapping like {{\"plugin\": ...}}, got {type(data).__name__}")
+    if nesting_exceeds(data, MAX_CONFIG_DEPTH):
+        raise too_deep
     return data
 
 

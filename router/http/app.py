@@ -6,37 +6,41 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.datastructures import UploadFile
 from litestar.enums import ScopeType
 from litestar.exceptions import ClientException, HTTPException, NotFoundException
 from litestar.openapi import OpenAPIConfig
-from litestar.types import ASGIApp, Message, Receive, ReceiveMessage, Scope, Send
+from litestar.params import FromPath
+from litestar.types import ASGIApp, HTTPScope, Message, Receive, ReceiveMessage, Scope, Send
 
 from router import __version__
 from router.errors import ClientDisconnected, InputError, RequestTimeout, RouterError, brief, clip
-from router.http.access import access_line
+from router.http.access import QUIET_PATHS, access_line
 from router.http.admin import ADMIN_ROUTES
 from router.http.answers import error_body
 from router.http.auth import Access, AccessPolicy, access_guard
 from router.http.disconnect import run_unless_disconnected
 from router.http.headers import announced_length, incoming_or_new, number_header, priority_header
+from router.http.kserve.bounded_json import lone_surrogate
 from router.http.kserve.routes import v2_error_response, v2_router
 from router.http.memory import BodyMemory
 from router.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.http.metrics import RouterMetrics
-from router.http.protocol import PRECHECKED
-from router.http.request_state import mark_received, received_at, runtime_of
+from router.http.protocol import ANSWERED, PRECHECKED
+from router.http.request_state import TRACE, mark_received, note_error, received_at, request_phases, runtime_of
 from router.http.ui import ui_router
-from router.logs import request_id_var
+from router.inference_protocol.shared_memory import SharedMemoryRegistry
+from router.logs import request_id_var, trace_id_var
 from router.sdk.plugin import Payload
 from router.serving.facade import ServingFacade
+from router.tracing.api import RequestSpan, Tracing
 
-__all__ = ["create_app"]
+__all__ = ["Listener", "create_app"]
 
 log = logging.getLogger("router.access")
 #: Predict takes one file; a form of many parts is refused before they are all parsed.
@@ -44,6 +48,11 @@ MULTIPART_PART_LIMIT = 16
 
 
 # -- request decoding -----------------------------------------------------------------------------
+
+
+#: A multipart part Litestar reads as text, not as a file: it has no `filename` parameter.
+NOT_A_FILE = ("multipart field 'file' is not a file part: its Content-Disposition needs a filename, as in "
+              "form-data; name=\"file\"; filename=\"photo.jpg\" (a filename*= alone is not read)")
 
 
 async def _form(request: Request[Any, Any, Any]) -> Any:
@@ -54,6 +63,8 @@ async def _form(request: Request[Any, Any, Any]) -> Any:
             raise InputError(f"the multipart body has more than {MULTIPART_PART_LIMIT} parts; "
                              "send the input as one field named 'file'") from None
         raise InputError(f"the multipart body is malformed: {exc.detail}") from None
+    except (UnicodeDecodeError, LookupError):  # a part without a filename is decoded as text, in its charset
+        raise InputError(f"{NOT_A_FILE}; a text part must be text in its charset") from None
 
 
 async def _payload(request: Request[Any, Any, Any]) -> Payload:
@@ -62,6 +73,8 @@ async def _payload(request: Request[Any, Any, Any]) -> Payload:
     if media_type.lower().startswith("multipart/form-data"):
         form = await _form(request)
         upload = form.get("file")
+        if isinstance(upload, str):
+            raise InputError(NOT_A_FILE)
         if not isinstance(upload, UploadFile):
             fields = ", ".join(brief(key, 40) for key in sorted(form.keys())[:8]) or "none"
             raise InputError(f"multipart body needs a file field named 'file'; got fields: {fields}")
@@ -72,18 +85,26 @@ async def _payload(request: Request[Any, Any, Any]) -> Payload:
         payload = Payload(body, upload.content_type if declared else "application/octet-stream", upload.filename)
     else:
         payload = Payload(await request.body(), media_type)
+        if _is_json(media_type) and (surrogate := lone_surrogate(payload.body)) is not None:
+            raise InputError(f"the JSON body holds a lone surrogate ({surrogate}), which is not Unicode text")
     if not payload.body:
         raise InputError("the request body is empty; send an image as the body or as multipart field 'file'")
     return payload
+
+
+def _is_json(media_type: str) -> bool:
+    media = media_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
 
 
 # -- handlers -------------------------------------------------------------------------------------
 
 
 @post("/models/{name:str}/predict", status_code=200, summary="Run one input through a model")
-async def predict(name: str, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+async def predict(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     """Accepts a multipart field `file` or a raw `image/*` body. Headers: X-Timeout-Ms, X-Priority."""
     runtime = runtime_of(request)
+    trace = request_phases(request.scope, "receive")
     priority = priority_header(request.headers.get("x-priority"))
     timeout_ms = number_header("X-Timeout-Ms", request.headers.get("x-timeout-ms"))
     # 404, 503 and header errors before the body is read: under a surge a refusal costs little.
@@ -95,8 +116,10 @@ async def predict(name: str, request: Request[Any, Any, Any]) -> Response[dict[s
     request.scope["state"]["access"] = {"model": name, "input_bytes": len(payload.body)}
     answer = await run_unless_disconnected(
         request.receive, runtime.submit(name, payload, priority=priority, timeout_ms=timeout_ms,
-                                        request_id=request_id_var.get(), received_at=received_at(request))
+                                        request_id=request_id_var.get(), received_at=received_at(request), trace=trace)
     )
+    if trace is not None:
+        trace.enter("respond")  # from the runtime's answer
     request.scope["state"]["access"].update(
         queue_wait_ms=round(answer.queue_wait_s * 1000, 3), batch_size=answer.batch_size,
         execution_ms=round(answer.execution_s * 1000, 3), memory_delta_bytes=answer.memory_delta_bytes,
@@ -123,7 +146,7 @@ async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 
 @get("/models/{name:str}", summary="One model's state, queue, batching, memory and counters")
-async def show_model(name: str, request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def show_model(name: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, Any]:
     return runtime_of(request).model(name).as_dict()
 
 
@@ -157,6 +180,7 @@ async def metrics(request: Request[Any, Any, Any]) -> Response[bytes]:
 def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[Any]:
     """Every error as JSON with `detail`; status and headers from the error class. Under /v2
     (an unknown V2 route, a wrong method) the V2 shape `{"error": ...}`."""
+    note_error(request.scope, exc)
     if request.scope.get("path", "").startswith("/v2"):
         return v2_error_response(request, exc)
     if isinstance(exc, RouterError):
@@ -172,10 +196,12 @@ def _error_response(request: Request[Any, Any, Any], exc: Exception) -> Response
                     headers=headers, media_type=MediaType.JSON)
 
 
-def request_id_middleware(app: ASGIApp, *, body_timeout_s: float, memory: BodyMemory | None = None) -> ASGIApp:
+def request_id_middleware(app: ASGIApp, *, body_timeout_s: float, memory: BodyMemory | None = None,
+                          tracing: Tracing | None = None) -> ASGIApp:
     """Around every HTTP request, routed or not (404, 405): an X-Request-ID on the response (the
     caller's, if sane), one access log line, the body's read deadline, and 499 for a client that
-    went away before its answer."""
+    went away before its answer. With `tracing`, the request's server span (the caller's
+    `traceparent` its parent, echoed in the answer) and its trace id on the request's log lines."""
 
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != ScopeType.HTTP:
@@ -185,6 +211,8 @@ def request_id_middleware(app: ASGIApp, *, body_timeout_s: float, memory: BodyMe
         request_id = incoming_or_new(incoming, uuid.uuid4().hex)
         token = request_id_var.set(request_id)
         mark_received(scope)
+        trace = _start_trace(tracing, scope) if tracing is not None else None
+        trace_token = trace_id_var.set(trace.trace_id) if trace is not None and trace.trace_id else None
         started = time.perf_counter()
         status = 0
 
@@ -192,7 +220,8 @@ def request_id_middleware(app: ASGIApp, *, body_timeout_s: float, memory: BodyMe
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                headers = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
+                message["headers"] = headers if trace is None else headers + trace.response_headers()
             await send(message)
 
         if memory is not None:
@@ -203,9 +232,33 @@ def request_id_middleware(app: ASGIApp, *, body_timeout_s: float, memory: BodyMe
             if memory is not None:
                 memory.in_flight -= 1
             _access_line(scope, status, time.perf_counter() - started)
+            if trace is not None:
+                _end_trace(scope, trace, status, request_id)
+            if trace_token is not None:
+                trace_id_var.reset(trace_token)
             request_id_var.reset(token)
 
     return middleware
+
+
+def _start_trace(tracing: Tracing, scope: HTTPScope) -> RequestSpan | None:
+    """The request's server span in the scope state, from its arrival; none for the polled paths."""
+    if scope["path"] in QUIET_PATHS:
+        return None
+    headers = scope["headers"]  # a list from uvicorn; ASGI allows any iterable
+    trace = tracing.start_request(scope["method"], scope["path"], headers if isinstance(headers, list) else list(headers),
+                                  scope["state"]["received_at"])
+    scope["state"][TRACE] = trace
+    return trace
+
+
+def _end_trace(scope: Scope, trace: RequestSpan, status: int, request_id: str) -> None:
+    """End the server span now, with what the handler recorded for the access line as attributes."""
+    if trace.recording:
+        fields = scope["state"].get("access") or {}
+        trace.describe(**{f"router.{key}": value for key, value in fields.items()
+                          if isinstance(value, (str, bool, int, float))}, **{"router.request_id": request_id})
+    trace.end(status or 499, time.monotonic(), scope.get("path_template"))
 
 
 def _read_body_by(receive: Receive, timeout_s: float, memory: BodyMemory | None) -> Receive:
@@ -236,10 +289,22 @@ def _read_body_by(receive: Receive, timeout_s: float, memory: BodyMemory | None)
 
 
 def _access_line(scope: Scope, status: int, seconds: float) -> None:
-    access_line(str(scope.get("method")), scope.get("path", ""), status, seconds, scope.get("state", {}).get("access"))
+    """The request's line, with the status the client saw: the connection's, if it answered the
+    request while the app held it (`router.http.protocol`)."""
+    state = scope.get("state", {})
+    access_line(str(scope.get("method")), scope.get("path", ""), state.get(ANSWERED, status), seconds,
+                state.get("access"))
 
 
 # -- the app --------------------------------------------------------------------------------------
+
+
+class Listener(Protocol):
+    """Another endpoint of this process (the gRPC server), started and stopped by the app's lifespan
+    so that every process that serves the app serves it too."""
+
+    async def start(self) -> None: ...
+    async def stop(self) -> None: ...
 
 
 def create_app(
@@ -252,25 +317,41 @@ def create_app(
     body_timeout_s: float = 60.0,
     max_items: int = 1024,
     trim_memory: bool = True,
+    shared_memory: SharedMemoryRegistry | None = None,
+    listeners: Sequence[Listener] = (),
+    tracing: Tracing | None = None,
 ) -> Litestar:
     """The Litestar app around a runtime (or any serving façade). The runtime starts in the lifespan
-    and loads models in the background. `bound_metrics`: a registry already bound to the runtime, with
-    collectors of its own (the cluster's); by default a fresh one bound here."""
+    and loads models in the background, then the `listeners` start; they stop after the drain. The
+    app owns `shared_memory` (the V2 regions its clients register; by default a fresh registry) and
+    closes it at shutdown. `bound_metrics`: a registry already bound to the runtime, with collectors
+    of its own (the cluster's); by default a fresh one bound here. `tracing`: spans for requests
+    (the runtime makes the batches'), exported until the lifespan ends."""
     memory = BodyMemory() if trim_memory else None
     policy = access_policy or AccessPolicy()
+    regions = shared_memory if shared_memory is not None else SharedMemoryRegistry()
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         await runtime.start()
         trimmer = asyncio.create_task(memory.trim_after_bursts(), name="trim-memory") if memory else None
+        started: list[Listener] = []
         try:
+            for listener in listeners:
+                await listener.start()
+                started.append(listener)
             yield
         finally:
             if trimmer is not None:
                 trimmer.cancel()
             if not runtime.draining:
                 await runtime.drain(drain_timeout_s)
+            for listener in reversed(started):
+                await listener.stop()
             await runtime.stop()
+            if tracing is not None:
+                await asyncio.to_thread(tracing.shutdown)  # exports what is pending, off the loop
+            regions.close()
 
     app = Litestar(
         route_handlers=[predict, list_models, show_model, live, ready, metrics, *ADMIN_ROUTES, v2_router, ui_router],
@@ -285,9 +366,12 @@ def create_app(
     )
     # Around Litestar's router rather than its route handlers, so that unrouted requests (404,
     # 405) get a request id and an access line too.
-    app.asgi_handler = request_id_middleware(app.asgi_handler, body_timeout_s=body_timeout_s, memory=memory)
+    app.asgi_handler = request_id_middleware(app.asgi_handler, body_timeout_s=body_timeout_s, memory=memory,
+                                             tracing=tracing)
     app.state.runtime = runtime
+    app.state.tracing = tracing
     app.state.max_items = max_items
+    app.state.shared_memory = regions
     router_metrics = bound_metrics
     if router_metrics is None:
         router_metrics = RouterMetrics()

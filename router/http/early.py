@@ -9,7 +9,8 @@ order (key, X-Priority, X-Timeout-Ms, then the runtime's `precheck`), and when t
 returns the whole response, which the connection writes while it discards the body as it comes.
 A request the checks admit goes on to the app marked as prechecked, so the handler does not check
 it twice. Anything else, or a request whose key is not accepted (the app answers 401/403 in its
-own words), goes on to the app unchanged.
+own words), goes on to the app unchanged. With tracing on, a refusal is a server span too, the
+child of the request's `traceparent`, echoed in the answer.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from router.http.auth import Access, AccessPolicy
 from router.http.headers import announced_length, incoming_or_new, number_header, priority_header
 from router.http.protocol import PASSED, EarlyAnswer, Passed
 from router.serving.facade import ServingFacade
+from router.tracing.api import Tracing
 
 __all__ = ["EarlyRefusals"]
 
@@ -38,14 +40,16 @@ log = logging.getLogger("router.http.early")
 PREDICT = re.compile(rb"^/models/([A-Za-z0-9._~:@!$&'()*+,;=-]+)/predict$")
 #: The headers the checks read; a request that repeats one of them goes to the app.
 READ = (b"authorization", b"x-priority", b"x-timeout-ms", b"content-length", b"x-request-id")
+ROUTE = "/models/{name}/predict"
 
 
 class EarlyRefusals:
     """The connection's screen: `(method, url, headers) -> EarlyAnswer | PASSED | None`."""
 
-    def __init__(self, runtime: ServingFacade, policy: AccessPolicy) -> None:
+    def __init__(self, runtime: ServingFacade, policy: AccessPolicy, tracing: Tracing | None = None) -> None:
         self.runtime = runtime
         self.policy = policy
+        self.tracing = tracing
 
     def __call__(self, method: bytes, url: bytes, headers: Sequence[tuple[bytes, bytes]]) -> EarlyAnswer | Passed | None:
         if method != b"POST":
@@ -73,14 +77,24 @@ class EarlyRefusals:
                 received_at=started, body_bytes=announced_length(fields.get(b"content-length")),
             )
         except RouterError as exc:
-            return self._refusal(exc, url.decode("ascii"), started, fields.get(b"x-request-id"))
+            return self._refusal(exc, url.decode("ascii"), started, fields.get(b"x-request-id"), headers)
         return PASSED  # the predict handler skips its own precheck: one per request
 
-    def _refusal(self, exc: RouterError, path: str, started: float, incoming_id: str | None) -> EarlyAnswer:
+    def _refusal(self, exc: RouterError, path: str, started: float, incoming_id: str | None,
+                 request_headers: Sequence[tuple[bytes, bytes]]) -> EarlyAnswer:
         """The app's answer to `exc` on this route: its status, headers and JSON body."""
         rid = incoming_or_new(incoming_id, uuid.uuid4().hex)
         body = msgspec.json.encode(error_body(exc.detail, rid))
         headers = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in exc.headers.items()]
         headers += [(b"content-type", b"application/json"), (b"x-request-id", rid.encode("latin-1"))]
-        access_line("POST", path, exc.status_code, time.monotonic() - started, {"refused": "before the app"}, rid)
+        fields: dict[str, str] = {"refused": "before the app"}
+        if self.tracing is not None:
+            trace = self.tracing.start_request("POST", path, request_headers, started)
+            trace.describe(**{"router.request_id": rid, "router.refused": "before the app"})
+            trace.fail(exc)
+            trace.end(exc.status_code, time.monotonic(), ROUTE)
+            headers += trace.response_headers()
+            if trace.trace_id:
+                fields["trace_id"] = trace.trace_id
+        access_line("POST", path, exc.status_code, time.monotonic() - started, fields, rid)
         return EarlyAnswer(exc.status_code, tuple(headers), body)

@@ -7,10 +7,10 @@ import math
 import re
 
 from router.errors import InputError, brief
+from router.logs import REQUEST_ID_PATTERN, incoming_or_new
 
 __all__ = ["REQUEST_ID_PATTERN", "announced_length", "incoming_or_new", "number_header", "priority_header"]
 
-REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 #: A decimal number as people write it: no '1_0', no 'inf', no hex.
 DECIMAL = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 INTEGER = re.compile(r"^[+-]?\d{1,6}$")
@@ -38,8 +38,3 @@ def priority_header(raw: str | None) -> int | None:
 def announced_length(raw: str | None) -> int | None:
     """The body's Content-Length, or None when it is not announced (chunked) or unreadable."""
     return int(raw) if raw is not None and raw.isdigit() else None
-
-
-def incoming_or_new(incoming: str | None, new: str) -> str:
-    """The caller's X-Request-ID when it is sane, else `new`."""
-    return incoming if incoming and REQUEST_ID_PATTERN.match(incoming) else new

@@ -4,15 +4,25 @@ the server hold, or wait for, before a request reaches the app.
 uvicorn reads headers of any size and count, and has no timeout while a request's headers or body
 trickle in. This protocol refuses, at the connection and before any ASGI work:
 
-- request line and headers over `max_header_bytes`, or more than `max_headers` fields: 431;
+- request line and headers over `max_header_bytes`, or more than `max_headers` fields: 431.
+  Chunked trailers count toward both limits, and never reach the app (RFC 9110 §6.5: a trailer
+  must not be taken for a header; a proxy that filters headers would be bypassed);
 - headers not complete `header_timeout_s` after the connection opened or the request began: 408;
 - a body still arriving `body_timeout_s` (plus a grace second) after its headers: the connection
   closes. The app answers 408 itself at `body_timeout_s` while it reads the body
-  (`router.http.app`); this is the backstop for a body nobody reads.
+  (`router.http.app`); this is the backstop for a body nobody reads;
+- an HTTP/1.1 request without exactly one Host header: 400 (RFC 9112 §3.2).
+
+Open connections and running requests are bounded as nginx bounds them (`router.http.connections`):
+a connection over `max_connections` closes the longest-idle one, and a request over
+`max_requests` running is answered 503; liveness (`/health/live`, `/v2/health/live`) is always
+served.
 
 Refusals are JSON like the app's errors (`{"error": ...}` under /v2), as is uvicorn's own 400 for
-a request it cannot parse. After a refusal the connection reads and discards for a short linger,
-so the client can read the answer before the connection closes.
+a request it cannot parse. A request is answered once and in order: a refusal of a pipelined
+request waits for the answers before it, and a request already answered (by the app, or early)
+gets no second answer; its connection just closes. After a refusal the connection reads and
+discards for a short linger, so the client can read the answer before the connection closes.
 
 A `screen` (`router.http.early`) may answer a request from its request line and headers alone:
 the connection writes that `EarlyAnswer`, discards the request's body as it arrives and stays
@@ -25,6 +35,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -33,12 +45,19 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
 from router.http.answers import error_body
+from router.http.connections import OpenConnections
 
-__all__ = ["PASSED", "PRECHECKED", "EarlyAnswer", "HttpLimits", "Passed", "Screen", "guarded_protocol"]
+__all__ = ["ANSWERED", "PASSED", "PRECHECKED", "EarlyAnswer", "HttpLimits", "Passed", "Screen", "guarded_protocol"]
 
 log = logging.getLogger("router.access")
 LINGER_S = 2.0
 BODY_GRACE_S = 1.0
+#: After a client's EOF and the probe that follows it: when to look for its reset (then it is taken
+#: as half-closed, and answered).
+PEER_CHECKS_S: Final = (0.02, 0.1, 0.4, 1.5)
+TCP_CLOSE: Final = 7  # linux/tcp_states.h
+#: Always served, whatever the load: an orchestrator restarts a server whose liveness fails.
+LIVENESS: Final = frozenset({b"/health/live", b"/v2/health/live"})
 
 
 @dataclass(frozen=True)
@@ -47,6 +66,8 @@ class HttpLimits:
     max_headers: int = 100
     header_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
+    max_connections: int | None = None  # open connections; over it, the longest-idle one is closed
+    max_requests: int | None = None  # requests running at once; over it, 503
 
 
 @dataclass(frozen=True)
@@ -62,9 +83,14 @@ class EarlyAnswer:
 #: (the request's scope state then holds `PRECHECKED: True`).
 PASSED: Final = "passed"
 PRECHECKED: Final = "prechecked"
+#: The status the connection answered a request with while the app held it (bad framing in its
+#: body): the scope state holds `ANSWERED: status`, for the app's access line.
+ANSWERED: Final = "answered_by_connection"
 Passed = Literal["passed"]
 #: (method, URL as sent, headers with lower-case names) -> the answer, PASSED, or None (not screened).
 Screen = Callable[[bytes, bytes, Sequence[tuple[bytes, bytes]]], EarlyAnswer | Passed | None]
+_BUSY: Final = EarlyAnswer(503, ((b"retry-after", b"1"), (b"content-type", b"application/json")),
+                           b'{"detail":"the server is at its limit of connections and running requests; retry shortly"}')
 
 
 class _Refused(Exception):
@@ -75,15 +101,31 @@ class _Refused(Exception):
         self.status, self.detail = status, detail
 
 
+class _ContinueCycle(RequestResponseCycle):
+    """A request sent with `Expect: 100-continue`. If the app answers before it asked for the body
+    (no 100 was sent), the client may never send that body, and whatever it sends next would be
+    read as the body: the connection closes after the answer (RFC 9110 §10.1.1)."""
+
+    async def send(self, message: Any) -> None:
+        if message["type"] == "http.response.start" and self.waiting_for_100_continue:
+            self.keep_alive = False
+        await super().send(message)
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     limits = HttpLimits()
     screen: Screen | None = None
+    open_connections: OpenConnections[GuardedHttpToolsProtocol] = OpenConnections(None)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._reading = "idle"  # idle (between requests), headers, body
-        self._header_bytes = 0
+        self._header_bytes = 0  # received for a head still arriving (an estimate; exact once complete)
         self._header_count = 0
+        self._began_in_feed = False  # a request began in the bytes being parsed
+        self._in_trailers = False  # after a chunk header, before any chunk data: maybe trailers
+        self._body_in_feed = False
+        self._trailer_pending = 0  # bytes received for a trailer field not yet complete
         # One timer per connection, moved lazily: arming a request's deadline only writes `_due`,
         # and the timer, when it fires before `_due`, sleeps again. It never sleeps longer than the
         # shortest deadline there is, so a deadline set later can never fall before it. (A timer
@@ -91,28 +133,77 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._due: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._linger: asyncio.TimerHandle | None = None
-        self._refusal: _Refused | None = None  # answered; the connection lingers, then closes
+        self._refusal: _Refused | None = None  # answered (or to answer); the connection then lingers and closes
         self._failed: _Refused | None = None  # raised in a parser callback, not yet answered
+        self._deferred: _Refused | None = None  # to answer once the answers before it are written
+        self._running: RequestResponseCycle | None = None  # the request the app is answering
+        self._over_limit = False  # opened over max_connections with no idle one to close
+        self._peer_done = False  # the client half-closed after a complete request
+        self._peer_check: asyncio.TimerHandle | None = None
 
     # -- the connection ---------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm(self.limits.header_timeout_s)  # the first request's headers, from the connection's opening
+        victim = self.open_connections.opened(self)
+        if victim is not None:
+            victim.transport.close()
+        elif self.open_connections.over_limit():
+            self._over_limit = True
+        self._report_room()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        for handle in (self._timer, self._linger):
+        for handle in (self._timer, self._linger, self._peer_check):
             if handle is not None:
                 handle.cancel()
-        self._timer = self._linger = None
+        self._timer = self._linger = self._peer_check = None
+        self.open_connections.closed(self)
         super().connection_lost(exc)
 
+    def eof_received(self) -> bool | None:
+        """The client sent its last byte: it half-closed, or closed and left. A request cut short
+        cannot complete, so the connection closes (the app sees a disconnect). A complete one is
+        answered to a client that only half-closed (then the connection closes), and not run for
+        one that left: a `100 Continue` (which HTTP/1.1 clients must accept before any answer) is
+        sent, and a client that closed answers it with a reset, which the TCP state shows."""
+        pending = self._reading == "idle" and self.cycle is not None and not self._done(self.cycle)
+        running = self._running
+        if not pending or running is None or running.response_started or not self._tcp_state():
+            return None
+        if self.parser.get_http_version() != "1.1":
+            return None
+        self._peer_done = True
+        running.waiting_for_100_continue = False
+        self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self._peer_check = self.loop.call_later(PEER_CHECKS_S[0], self._check_peer, 1)
+        return True  # our side stays open for the answer
+
+    def _tcp_state(self) -> int | None:
+        """The connection's TCP state (Linux's TCP_INFO), or None where it cannot be read."""
+        sock = self.transport.get_extra_info("socket")
+        try:
+            return int(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0])
+        except (AttributeError, OSError, TypeError):
+            return None
+
+    def _check_peer(self, step: int) -> None:
+        """After the probe: a peer that closed has reset the connection (TCP_CLOSE): it left."""
+        self._peer_check = None
+        if self.transport.is_closing():
+            return
+        if self._tcp_state() == TCP_CLOSE:
+            self.transport.abort()
+        elif step < len(PEER_CHECKS_S):
+            self._peer_check = self.loop.call_later(PEER_CHECKS_S[step], self._check_peer, step + 1)
+
     def data_received(self, data: bytes) -> None:
-        """uvicorn's, with the refusals and the header byte count."""
+        """uvicorn's, with the refusals and the head's byte count."""
         if self._refusal is not None:
-            return  # lingering after a refusal: discard
+            return  # refused: discard
         self._unset_keepalive_if_required()
+        self._began_in_feed = self._body_in_feed = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -125,46 +216,133 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             refusal, self._failed = self._failed, None
             self._refuse(refusal or _Refused(400, f"invalid HTTP request: {exc}"))
             return
-        if self._reading == "headers":
-            # Bytes of headers not yet complete; counted here because httptools gathers a long
-            # header before any callback sees it.
+        # httptools gathers a long header (or trailer) before any callback sees it, so bytes of a
+        # head not yet complete are counted here. A feed in which the request began also holds the
+        # end of the one before (its body): that feed is not counted, so a pipelined request is
+        # never refused for its predecessor's body; the exact check follows when the head completes.
+        if self._reading == "headers" and not self._began_in_feed:
             self._header_bytes += len(data)
             if self._header_bytes > self.limits.max_header_bytes:
                 self._refuse(_Refused(431, f"the request line and headers exceed {self.limits.max_header_bytes} bytes"))
+        elif self._reading == "body" and self._in_trailers and not self._body_in_feed:
+            self._trailer_pending += len(data)
+            self._check_head(0, in_callback=False)
 
     # -- parser callbacks -------------------------------------------------------------------------
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._reading = "headers"
-        self._header_bytes = self._header_count = 0
+        self._began_in_feed = True
+        self._in_trailers = False
+        self._header_bytes = self._header_count = self._trailer_pending = 0
+        self.open_connections.busy(self)
         if self._due is None:
             self._arm(self.limits.header_timeout_s)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
+        if self._reading == "body":  # a chunked body's trailer: counted, then dropped
+            self._trailer_pending = 0
+            self._check_head(len(name) + len(value) + 4, in_callback=True)
+            return
         if self._header_count > self.limits.max_headers:
             self._fail(_Refused(431, f"the request has more than {self.limits.max_headers} header fields"))
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
-        if size > self.limits.max_header_bytes:
+        self._header_bytes = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if self._header_bytes > self.limits.max_header_bytes:
             self._fail(_Refused(431, f"the request line and headers exceed {self.limits.max_header_bytes} bytes"))
+        if self.parser.get_http_version() == "1.1" and sum(name == b"host" for name, _ in self.headers) != 1:
+            self._fail(_Refused(400, "an HTTP/1.1 request needs exactly one Host header (RFC 9112, section 3.2)"))
+        busy = self._overloaded()
+        if busy and self.cycle is not None and not self._done(self.cycle):  # pipelined behind an answer still due
+            self._fail(_Refused(503, "the server is at its limit of connections and running requests; retry shortly"))
         self._reading = "body"
         self._arm(self.limits.body_timeout_s + BODY_GRACE_S)
-        answer = self._screened()
+        answer = _BUSY if busy else self._screened()
         if isinstance(answer, EarlyAnswer):
-            self._answer_early(answer)
+            self._answer_early(answer, close=busy)
             return
         if answer == PASSED:
             self.scope["state"][PRECHECKED] = True
         super().on_headers_complete()
+        if self.cycle is not None and self.cycle.waiting_for_100_continue:
+            self.cycle.__class__ = _ContinueCycle
+
+    def on_chunk_header(self) -> None:
+        self._in_trailers = True  # until chunk data arrives: after the last chunk, trailers follow
+
+    def on_body(self, body: bytes) -> None:
+        self._in_trailers = False
+        self._body_in_feed = True
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
         self._reading = "idle"
+        self._in_trailers = False
         self._disarm()
         super().on_message_complete()
+        self._settle()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._settle()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
+
+    # -- bounds -------------------------------------------------------------------------------------
+
+    def _check_head(self, trailer_field_bytes: int, *, in_callback: bool) -> None:
+        """Count a trailer field (or bytes of one still arriving) toward the head's limits."""
+        self._header_bytes += trailer_field_bytes
+        refusal = None
+        if self._header_count > self.limits.max_headers:
+            refusal = _Refused(431, f"the request has more than {self.limits.max_headers} header fields, "
+                                    "trailers included")
+        elif self._header_bytes + self._trailer_pending > self.limits.max_header_bytes:
+            refusal = _Refused(431, f"the request's headers and trailers exceed {self.limits.max_header_bytes} bytes")
+        if refusal is not None and in_callback:
+            self._fail(refusal)
+        elif refusal is not None:
+            self._refuse(refusal)
+
+    def _overloaded(self) -> bool:
+        """Too many connections or running requests for this one: 503, liveness excepted."""
+        if self.url.partition(b"?")[0] in LIVENESS:
+            return False
+        limit = self.limits.max_requests
+        return self._over_limit or (limit is not None and len(self.tasks) >= limit)
+
+    def _report_room(self) -> None:
+        closed = self.open_connections.report_due(self.loop.time())
+        if closed:
+            log.warning("%d connection(s) open, over the limit of %s: closed %d idle connection(s) to make room",
+                        self.open_connections.count, self.limits.max_connections, closed,
+                        extra={"open_connections": self.open_connections.count, "closed_idle": closed})
+
+    def _settle(self) -> None:
+        """After a request's body or answer: answer a deferred refusal once every answer before it is
+        written; close a half-closed connection once answered; else, with nothing left, it is idle."""
+        if self.transport.is_closing() or self._reading != "idle" and self._deferred is None:
+            return
+        if self.pipeline or (self._running is not None and not self._done(self._running)):
+            return
+        if self._deferred is not None:
+            refusal, self._deferred = self._deferred, None
+            self._write_refusal(refusal)
+        elif self.cycle is None or self._done(self.cycle):
+            if self._peer_done:
+                self.transport.close()
+            else:
+                self.open_connections.idle(self)
+
+    @staticmethod
+    def _done(cycle: RequestResponseCycle) -> bool:
+        return cycle.response_complete or cycle.disconnected
 
     # -- answers before the app --------------------------------------------------------------------
 
@@ -180,11 +358,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             log.exception("the early refusal screen failed; the app answers this request")
             return None
 
-    def _answer_early(self, answer: EarlyAnswer) -> None:
+    def _answer_early(self, answer: EarlyAnswer, *, close: bool = False) -> None:
         """Write `answer` and take the request as answered: uvicorn discards the body of an answered
         request as it arrives. The connection stays open unless the client asked to close it or sent
-        `Expect: 100-continue` (it may then send no body, so its next bytes could not be told apart)."""
-        keep_alive = (self.parser.get_http_version() == "1.1" and self.parser.should_keep_alive()
+        `Expect: 100-continue` (it may then send no body, so its next bytes could not be told apart),
+        or `close`."""
+        keep_alive = (not close and self.parser.get_http_version() == "1.1" and self.parser.should_keep_alive()
                       and not self.expect_100_continue)
         cycle = RequestResponseCycle(
             scope=self.scope, transport=self.transport, flow=self.flow, logger=self.logger,
@@ -214,15 +393,42 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         raise refusal
 
     def _refuse(self, refusal: _Refused) -> None:
-        """Answer `refusal` as JSON, stop reading requests, and close after a linger."""
-        self._refusal = refusal
+        """Stop reading requests and answer `refusal` once, in order: at once, or once the answers
+        before it are written; not at all for a request that was answered already (its connection
+        closes). A request the app holds unanswered is taken from it."""
         self._disarm()
+        current = self.cycle if self._reading == "body" else None  # the refused request, if the app has it
+        if current is not None and current.response_started:
+            self._refusal = refusal
+            log.info("connection closed after the request was answered: %s", refusal.detail,
+                     extra={"detail": refusal.detail, "path": self.url[:256].decode("latin-1")})
+            if not current.response_complete:
+                current.disconnected = True
+            self._close_after_linger()
+            return
+        if current is not None:
+            current.disconnected = True  # the app's answer, if it makes one, goes nowhere
+            current.scope["state"][ANSWERED] = refusal.status
+            current.message_event.set()
+            self.pipeline = deque(queued for queued in self.pipeline if queued[0] is not current)
+        self._defer(refusal)
+
+    def _defer(self, refusal: _Refused) -> None:
+        self._refusal = self._deferred = refusal  # parsing stops; answered by _settle, in order
+        self._disarm()
+        self._reading = "idle"
+        self._settle()
+
+    def _write_refusal(self, refusal: _Refused) -> None:
+        """Answer `refusal` as JSON and close after a linger."""
         url = getattr(self, "url", b"")  # set when a request begins
         log.info("request refused before the app", extra={"status": refusal.status, "detail": refusal.detail,
                                                            "path": url[:256].decode("latin-1")})
         body = json.dumps(error_body(refusal.detail, v2=url.startswith(b"/v2"))).encode()
-        head = [STATUS_LINE[refusal.status], b"content-type: application/json\r\n",
-                b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n"]
+        head = [STATUS_LINE[refusal.status], b"content-type: application/json\r\n"]
+        if refusal.status == 503:
+            head.append(b"retry-after: 1\r\n")
+        head += [b"content-length: %d\r\n" % len(body), b"connection: close\r\n\r\n"]
         self.transport.write(b"".join(head) + body)
         self._close_after_linger()
 
@@ -267,5 +473,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
 
 def guarded_protocol(limits: HttpLimits, screen: Screen | None = None) -> type[GuardedHttpToolsProtocol]:
-    """The protocol class to give uvicorn (`Config(http=...)`), bound to `limits` and `screen`."""
-    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {"limits": limits, "screen": None if screen is None else staticmethod(screen)})
+    """The protocol class to give uvicorn (`Config(http=...)`), bound to `limits`, `screen` and
+    a fresh count of the server's open connections."""
+    return type("GuardedHttpToolsProtocol", (GuardedHttpToolsProtocol,), {
+        "limits": limits, "screen": None if screen is None else staticmethod(screen),
+        "open_connections": OpenConnections(limits.max_connections)})

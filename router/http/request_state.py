@@ -1,4 +1,4 @@
-"""Per-request facts: what the ASGI middleware records in the scope, and the runtime the app serves."""
+"""Per-request facts: what the ASGI middleware records in the scope (arrival, trace), and the runtime the app serves."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ from litestar import Request
 from litestar.types import Scope
 
 from router.serving.facade import ServingFacade
+from router.tracing.api import Phases, RequestSpan
 
-__all__ = ["mark_received", "received_at", "runtime_of"]
+__all__ = ["mark_received", "note_error", "received_at", "request_phases", "request_trace", "runtime_of"]
+#: The scope state's key for the request's server span (set only while tracing is on).
+TRACE = "trace"
 
 
 def runtime_of(request: Request[Any, Any, Any]) -> ServingFacade:
@@ -28,3 +31,26 @@ def received_at(request: Request[Any, Any, Any]) -> float | None:
     """When the request reached the app (time.monotonic), if the middleware stamped it."""
     stamp = request.scope.get("state", {}).get("received_at")
     return float(stamp) if stamp is not None else None
+
+
+def request_trace(scope: Scope) -> RequestSpan | None:
+    """The request's server span, when tracing is on."""
+    state = scope.get("state")
+    trace: RequestSpan | None = state.get(TRACE) if state else None
+    return trace
+
+
+def request_phases(scope: Scope, phase: str) -> Phases | None:
+    """A sampled request's path of phases, `phase` open from its arrival; None when it is not recorded."""
+    trace = request_trace(scope)
+    phases = trace.phases() if trace is not None else None
+    if phases is not None:
+        phases.enter(phase, scope["state"]["received_at"])  # stamped with the trace, by the middleware
+    return phases
+
+
+def note_error(scope: Scope, error: BaseException) -> None:
+    """The error the request is answered with, for its span's status."""
+    trace = request_trace(scope)
+    if trace is not None:
+        trace.fail(error)

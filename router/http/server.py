@@ -49,7 +49,7 @@ class DrainingServer(uvicorn.Server):
         async def reload() -> None:
             try:
                 report = await self.runtime.reload()
-            except Exception as exc:  # a bad file: say so, keep serving what serves
+            except Exception as exc:  # noqa: BLE001  # a bad file: say so, keep serving what serves
                 log.error("reload on SIGHUP failed, nothing changed: %s", exc)
                 return
             log.info("reload on SIGHUP: added %s, changed %s, removed %s, errors %s, warnings %s", report.added,
@@ -79,17 +79,20 @@ class DrainingServer(uvicorn.Server):
 def run_server(app: Litestar, runtime: ServingFacade, settings: ServerSettings, *,
                sockets: list[socket.socket] | None = None, max_connections: int | None = None) -> None:
     """Serve `app` until a signal: HTTP/1.1 with the header, count and read-time limits of the
-    settings (`router.http.protocol`), at most `max_connections` connections and running requests,
-    and predict requests that will be refused answered from their headers (`router.http.early`).
-    `sockets`: listening sockets made by the caller (a front process of a split host) instead of
-    the settings' host and port; `max_connections`: this process's share of the setting."""
+    settings (`router.http.protocol`), `max_connections` open connections (the longest-idle one
+    closed for a new one) and running requests, and predict requests that will be refused answered
+    from their headers (`router.http.early`). uvicorn's own `limit_concurrency` is off: it counts
+    idle connections too, and refuses liveness with the rest. `sockets`: listening sockets made by
+    the caller (a front process of a split host) instead of the settings' host and port;
+    `max_connections`: this process's share of the setting."""
     limits = HttpLimits(max_header_bytes=settings.max_header_bytes, max_headers=settings.max_headers,
-                        header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s)
-    protocol = guarded_protocol(limits, EarlyRefusals(runtime, app.state.access_policy))
+                        header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
+                        max_connections=max_connections or settings.max_connections,
+                        max_requests=max_connections or settings.max_connections)
+    protocol = guarded_protocol(limits, EarlyRefusals(runtime, app.state.access_policy, app.state.tracing))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=5, access_log=False, http=protocol,
-                            ws="none", timeout_keep_alive=settings.keep_alive_s,
-                            limit_concurrency=max_connections or settings.max_connections)
+                            ws="none", timeout_keep_alive=settings.keep_alive_s)
     server = DrainingServer(config, runtime, settings.drain_timeout_s)
     log.info("serving %s on http://%s:%d", settings.config, settings.host, settings.port)
     server.run(sockets=sockets)

@@ -14,8 +14,9 @@ from typing import Any
 
 from router.config import BatchPolicy
 from router.errors import PayloadTooLarge, QueueFull
+from router.tracing.api import SpanRef
 
-__all__ = ["BatchFacts", "BatchResult", "DrainRate", "ModelQueue", "Served", "Ticket", "TicketState", "reject", "resolve"]
+__all__ = ["BatchFacts", "BatchResult", "DrainRate", "ModelQueue", "Ticket", "TicketState", "reject", "resolve"]
 
 
 class TicketState(enum.Enum):
@@ -26,8 +27,9 @@ class TicketState(enum.Enum):
 
 @dataclass(eq=False)
 class Ticket:
-    """One accepted request: its prepared input and the future its answer goes to (a `Served`,
-    or the error that answers it). Its `state` is its queue's to write."""
+    """One accepted request: its prepared input and the future its answer goes to (the model's
+    output for its item, or the error that answers it). Its `state` is its queue's to write; its
+    `batch` is written once, by the result of the batch it rode (`BatchResult.resolve`)."""
 
     request_id: str
     item: Any
@@ -38,45 +40,66 @@ class Ticket:
     input_bytes: int = 0
     state: TicketState = TicketState.QUEUED
     measure: bool = False  # admitted to measure the model (idle, untimed, half-open): never dropped as doomed
+    # Tracing: a value, not a live span, so that it can cross to a process where the batch runs.
+    trace: SpanRef | None = None  # the sampled request's span, which its batch span links to
+    batch: BatchFacts | None = None  # the batch it rode, once that batch has answered it
 
 
 @dataclass(frozen=True)
 class BatchFacts:
-    """The batch a ticket rode: its size, when it was dispatched, how long it ran, and the device
-    memory used after it minus before (where a probe reads it)."""
+    """The batch a ticket rode: its size, when it was dispatched and ended, how long it ran, the
+    device memory used after it minus before (where a probe reads it), its span (tracing), and the
+    instance that ran it (whose plugin postprocesses the answer, and which stays loaded until the
+    caller is done with it: `instance.end_use()`)."""
 
     size: int
     dispatched_at: float
     execution_s: float
+    finished_at: float
     memory_delta_bytes: int | None = None
-
-
-@dataclass(frozen=True)
-class Served:
-    """A ticket's answer: the model's output for its item, and the batch that computed it."""
-
-    output: Any
-    batch: BatchFacts
+    batch_trace: SpanRef | None = None
+    instance: Any = None
 
 
 @dataclass(frozen=True)
 class BatchResult:
     """What one run of a batch gave (an instance returns it): an output or an error for each
-    ticket that ran, and its timing. Its scheduler adds the memory delta and resolves the tickets."""
+    ticket that ran, and its timing. Its scheduler adds the memory delta and the span, and
+    resolves the tickets."""
 
     outputs: Sequence[tuple[Ticket, Any]] = ()
     errors: Sequence[tuple[Ticket, BaseException]] = ()
     size: int = 0
     execution_s: float = 0.0
+    finished_at: float = 0.0
     memory_delta_bytes: int | None = None
+    batch_trace: SpanRef | None = None
+    instance: Any = None  # the instance that ran it: it is in use until each answered caller ends its use
 
     def resolve(self, dispatched_at: float) -> None:
-        """Answer every ticket of the batch, each exactly once."""
-        facts = BatchFacts(self.size, dispatched_at, self.execution_s, self.memory_delta_bytes)
+        """Answer every ticket of the batch, each exactly once; an answered one holds the instance
+        in use (`begin_use`) for its caller's postprocessing."""
+        facts = BatchFacts(self.size, dispatched_at, self.execution_s, self.finished_at, self.memory_delta_bytes,
+                           self.batch_trace, self.instance)
         for ticket, output in self.outputs:
-            resolve(ticket, Served(output, facts))
+            if ticket.future.done():
+                continue
+            ticket.batch = facts
+            if self.instance is not None:
+                self.instance.begin_use()
+            ticket.future.set_result(output)
         for ticket, error in self.errors:
-            reject(ticket, error)
+            if not ticket.future.done():
+                ticket.batch = facts
+                ticket.future.set_exception(error)
+
+    @property
+    def error(self) -> str | None:
+        """What the batch failed with (its first failed ticket's error), for its span."""
+        if not self.errors:
+            return None
+        error = self.errors[0][1]
+        return str(getattr(error, "detail", None) or error)
 
 
 def resolve(ticket: Ticket, result: Any) -> None:

@@ -24,6 +24,7 @@ from router.scheduling.queue import BatchResult, ModelQueue, Ticket, reject
 from router.scheduling.residency import Occupant, ResidencyPlan, plan_residency
 from router.scheduling.service_time import BatchTime, DecayingTotal
 from router.sdk.plugin import MemoryEstimate
+from router.tracing.api import BatchSpan, Tracing
 
 __all__ = ["DeviceScheduler", "Model", "NoRoomYet", "ResidencyActions", "Runner"]
 
@@ -88,11 +89,13 @@ class DeviceScheduler:
         probe: MemoryProbe | None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        tracing: Tracing | None = None,
     ) -> None:
         self.device = device
         self.config = config
         self.probe = probe
         self.clock = clock
+        self._tracing = tracing
         self.ledger = MemoryLedger(device)
         self.budget_bytes = 0
         self.total_bytes = 0
@@ -280,7 +283,7 @@ class DeviceScheduler:
         self._last_read_at = now
         try:
             reading = self.probe.read().check()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  # any probe failure pauses admission, counted and logged
             self.probe_errors += 1
             if not self._probe_failing:
                 log.error("memory probe for %s failed, batch admission paused: %s", self.device, exc)
@@ -374,12 +377,26 @@ class DeviceScheduler:
         runner.begin_batch(len(tickets), now)
         self._active += 1
         self._ends[reservation.batch_id] = now + runner.times.seconds(len(tickets), now)
-        task = asyncio.create_task(self._run(model, runner, tickets, reservation, now))
+        span = self._batch_span(model, runner, tickets, reservation, now) if self._tracing is not None else None
+        task = asyncio.create_task(self._run(model, runner, tickets, reservation, now, span))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
+    def _batch_span(self, model: Model, runner: Runner, tickets: list[Ticket], reservation: Reservation,
+                    now: float) -> BatchSpan | None:
+        """The span of a batch that serves a sampled request, linked to each one; the batch's result
+        carries its ref to the tickets."""
+        assert self._tracing is not None
+        traced = [(ticket.trace, ticket.request_id) for ticket in tickets if ticket.trace is not None]
+        if not traced:
+            return None
+        return self._tracing.start_batch(traced, now, {
+            "router.model": model.name, "router.instance": runner.key, "router.device": self.device,
+            "router.batch.size": len(tickets), "router.batch.memory_reserved_bytes": reservation.bytes,
+        })
+
     async def _run(self, model: Model, runner: Runner, tickets: list[Ticket], reservation: Reservation,
-                   dispatched_at: float) -> None:
+                   dispatched_at: float, span: BatchSpan | None = None) -> None:
         started = self.clock()
         before = self.last_reading
         slot = True
@@ -387,11 +404,16 @@ class DeviceScheduler:
             try:
                 result = await runner.execute(tickets)
             except BaseException:
+                if span is not None:
+                    span.end(self.clock(), "the batch ended without an answer")
                 for ticket in tickets:  # every ticket is answered, whatever happened
                     reject(ticket, ModelError(f"model {model.name!r}: batch ended without an answer"))
                 raise
+            if span is not None:
+                span.end(self.clock(), result.error)
             # Resolved before the callers resume, with no await in between: the delta is this batch's.
-            replace(result, memory_delta_bytes=self._memory_change(before)).resolve(dispatched_at)
+            replace(result, memory_delta_bytes=self._memory_change(before),
+                    batch_trace=span.ref if span is not None else None).resolve(dispatched_at)
             # Answered. A batch fenced past its execution timeout keeps its memory until its thread
             # returns, but not its slot: a hung model must not stop the others on its device.
             self._active -= 1

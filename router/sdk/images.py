@@ -288,7 +288,7 @@ def _accepts(fmt: str, prefix: bytes) -> bool:
     accept = Image.OPEN[fmt][1]
     try:
         return accept is not None and accept(prefix) is True
-    except Exception:  # some checks unpack fixed-size fields and fail on a short prefix
+    except Exception:  # noqa: BLE001  # some checks unpack fixed-size fields and fail on a short prefix
         return False
 
 
@@ -308,7 +308,7 @@ def _other_format(body: bytes) -> str | None:
             continue
         try:
             Image.OPEN[fmt][0](io.BytesIO(body), "")  # header only; confirms the magic bytes
-        except Exception:  # not that format after all
+        except Exception:  # noqa: BLE001, S112  # not that format after all: try the next
             continue
         return fmt
     return None

@@ -44,6 +44,12 @@ def _json_problem(value: Any, path: str, depth: int = 0) -> str | None:
         return f"a value nested more than 64 levels deep at {path}"
     if isinstance(value, float):
         return None if math.isfinite(value) else f"{value} at {path}, which JSON cannot carry"
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"text at {path} that is not Unicode (a lone surrogate)"
+        return None
     if isinstance(value, _JSON_SCALARS):
         return None
     if isinstance(value, dict):

@@ -23,7 +23,6 @@ from router.scheduling.service_time import (
     Lag,
     Prediction,
 )
-from router.sdk.plugin import ModelPlugin
 from router.serving.instance import InstanceState, ModelInstance
 from router.serving.model_residency import Residency
 from router.serving.registry import PluginInfo
@@ -79,7 +78,7 @@ class Deployment:
         res = self.residency
         if res.held_down or res.never_fits is not None or now < res.retry_at:
             return False
-        return res.held or (self.on_demand and (res.holders > 0 or bool(res.waiting)))
+        return res.held or res.lost is not None or (self.on_demand and (res.holders > 0 or bool(res.waiting)))
 
     def occupant(self, runner: Runner, now: float) -> Occupant:
         """An instance of this model as its device's residency planner sees it."""
@@ -172,6 +171,9 @@ class Deployment:
             return self.residency.refusal(self.name, self.loading, now)
         if self.residency.held_down and (refusal := self.residency.refusal(self.name, self.loading, now)):
             return refusal
+        if self.residency.lost is not None:
+            return Refusal("InstanceLost", f"model {self.name!r} is restarting: {self.residency.lost}",
+                           self.residency.load_left_s(now))
         reason = f": {self.error}" if self.error else ""
         return Refusal("ModelUnavailable", f"model {self.name!r} is {self.state.value}{reason}", 5.0)
 
@@ -249,13 +251,10 @@ class Deployment:
         return not any(i.state in (InstanceState.PENDING, InstanceState.LOADING, InstanceState.WARMING)
                        for i in self.instances)
 
-    @property
-    def front(self) -> ModelPlugin:  # type: ignore[type-arg]
-        """The plugin object that preprocesses and postprocesses: a serving instance's, if any."""
-        for instance in self.instances:
-            if instance.serving:
-                return instance.plugin
-        return self.instances[0].plugin
+    def front_instance(self) -> ModelInstance:
+        """The instance whose plugin preprocesses an input: a serving one, if any. (Its answer is
+        postprocessed by the instance that ran its batch.)"""
+        return next((i for i in self.instances if i.serving), self.instances[0])
 
     @property
     def budget_bytes(self) -> int | None:

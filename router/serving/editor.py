@@ -170,7 +170,7 @@ class FleetEditor:
                         **self.plan.fleet.models, name: target.fleet.models[name]}}),
                         models={**self.plan.models, name: target.models[name]})
                     outcome = await self._apply(name, plan)
-                except Exception as exc:  # one model's failure never stops the others
+                except Exception as exc:  # noqa: BLE001  # one model's failure never stops the others
                     log.error("reload: model %s: %s", name, exc, extra={"model": name})
                     report.errors[name] = str(exc)
                     continue
@@ -212,6 +212,7 @@ class FleetEditor:
         wanted = plan.models[name]
         if current is not None and current.config == plan.fleet.models[name] and current.options == wanted.options:
             return "unchanged"
+        before = self.plan
         self.plan = replace(self.plan, fleet=self.plan.fleet.model_copy(update={"models": {
             **self.plan.fleet.models, name: plan.fleet.models[name]}}), models={**self.plan.models, name: wanted})
         generation = self._generations.get(name, 0) + 1
@@ -221,13 +222,25 @@ class FleetEditor:
         if current is None:
             self._fleet.put(new)
             if not new.on_demand:
-                await self._load(new)
+                try:
+                    await self._load(new)
+                except Exception as exc:  # not added: a model that cannot load must not hold readiness down
+                    await self._withdraw_added(new, before)
+                    raise ModelUnavailable(f"model {name!r} failed to load, and was not added: {exc}") from exc
                 new.residency.let_go()
             log.info("model %s added", name, extra={"model": name})
             return "added"
         await self._replace(current, new)
         log.info("model %s changed: generation %d serves", name, generation, extra={"model": name})
         return "changed"
+
+    async def _withdraw_added(self, new: Deployment, before: FleetPlan) -> None:
+        """Take back a model just added whose load failed: the fleet is as it was before."""
+        self._fleet.remove(new.name)
+        self.plan = before
+        await self._unload(new, "removed", "not added: its load failed")
+        self._fleet.detach(new)
+        log.error("model %s not added: its load failed (%s)", new.name, new.error, extra={"model": new.name})
 
     async def _replace(self, old: Deployment, new: Deployment) -> None:
         """Swap in a new version with no request failing; fall back to the old one on failure."""

@@ -17,6 +17,7 @@ from router.serving.residency_executor import UnloadReport
 from router.serving.runtime import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
 from router.serving.telemetry import Telemetry
+from router.tracing.api import Phases
 
 __all__ = ["ServingFacade"]
 
@@ -40,7 +41,8 @@ class ServingFacade(Protocol):
     def precheck(self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
                  received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> None: ...
     async def submit(self, model: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
-                     request_id: str | None = None, received_at: float | None = None) -> Answer: ...
+                     request_id: str | None = None, received_at: float | None = None,
+                     trace: Phases | None = None) -> Answer: ...
 
     async def load_model(self, name: str) -> ModelInfo: ...
     async def unload_model(self, name: str) -> tuple[ModelInfo, list[UnloadReport]]: ...

@@ -1,12 +1,18 @@
-"""Running plugins' host-side hooks (`preprocess`, `postprocess`): on the CPU pool, or on the event
-loop itself once they have proven cheap.
+"""Running a plugin's request-path hooks (preprocess, postprocess, describe_input), off the event
+loop unless they are cheap, and never holding a thread for another process.
 
-Handing a call to a pool thread and back costs the event loop about 30 to 60 us here (a future, a
-wake-up of the thread, a wake-up of the loop). A hook that costs a few microseconds (a JSON field, a
-dict) is cheaper to run in place, and with one core busy with the loop the pool cannot run it
-sooner anyway. So each model's hooks are timed (a decaying mean of their own duration, wherever
-they ran), and a hook whose mean is under `INLINE_BELOW_S` runs inline; one that gets dearer goes
-back to the pool at its next call. Image decoding (milliseconds) always stays on the pool.
+In-process plugins run on thread pools: preprocessing on the CPU pool, postprocessing on threads
+of its own, so the answers of requests already run never queue behind the preparation of new
+ones (under load that queue made answers seconds late). A plugin in its own process
+(`isolation: process`) is awaited (`RemotePlugin.acall`): a child that stops answering then holds
+no thread that other models need.
+
+Handing a call to a pool thread and back costs the event loop some 30 to 60 us here (a future, a
+wake-up of the thread, a wake-up of the loop). A hook that costs a few microseconds (a JSON field,
+a dict) is cheaper to run in place. So each model's hooks are timed (a decaying mean of their own
+duration, wherever they ran), and an in-process hook whose mean is under `INLINE_BELOW_S` runs on
+the loop; one that gets dearer goes back to its pool at its next call. Image decoding
+(milliseconds) always stays on the pool.
 """
 
 from __future__ import annotations
@@ -19,19 +25,23 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from router.errors import DeadlineExceeded, ModelError, RouterError
+from router.sdk.plugin import ModelPlugin, Payload
+from router.serving.isolation import RemotePlugin
 
 __all__ = ["INLINE_BELOW_S", "HookCost", "HookRunner"]
 
-log = logging.getLogger("router.serving.hooks")
+log = logging.getLogger("router.serving.runtime")  # the request path's logger, as before these hooks moved here
 T = TypeVar("T")
 #: A hook whose calls average less than this runs on the event loop.
 INLINE_BELOW_S = 50e-6
 #: Calls timed on the pool before a hook may run inline.
 INLINE_AFTER_CALLS = 8
+DOING = {"preprocess": "preparing the input", "postprocess": "preparing the answer"}
 
 
 class HookCost:
-    """One hook's duration: a decaying mean (a tenth of each new call), and how many calls it has seen."""
+    """One hook's duration: a decaying mean (a tenth of each new call), and how many calls it has
+    seen. Updated from pool threads too: an estimate, not an account."""
 
     __slots__ = ("calls", "mean_s")
 
@@ -49,12 +59,17 @@ class HookCost:
 
 
 class HookRunner:
-    """The CPU pool, and where each (model, hook) runs."""
+    """The request path's way to a plugin's hooks; owns the threads they run on."""
 
-    def __init__(self, workers: int, *, name: str = "router-cpu", clock: Callable[[], float] = time.monotonic) -> None:
-        self._pool = ThreadPoolExecutor(max(1, workers), thread_name_prefix=name)
+    def __init__(self, workers: int, *, name: str = "router", clock: Callable[[], float] = time.monotonic) -> None:
+        self._cpu = ThreadPoolExecutor(max(1, workers), thread_name_prefix=f"{name}-cpu")
+        self._post = ThreadPoolExecutor(max(1, workers // 2), thread_name_prefix=f"{name}-post")
         self._costs: dict[tuple[str, str], HookCost] = {}
         self._clock = clock
+
+    def shutdown(self) -> None:
+        self._cpu.shutdown(wait=False, cancel_futures=True)
+        self._post.shutdown(wait=False, cancel_futures=True)
 
     def cost(self, model: str, hook: str) -> HookCost:
         key = (model, hook)
@@ -63,47 +78,61 @@ class HookRunner:
             cost = self._costs[key] = HookCost()
         return cost
 
-    async def run(self, model: str, plugin: str, hook: str, fn: Callable[..., T], *args: Any,
-                  deadline: float | None = None) -> T:
-        """Run a plugin hook. Its RouterErrors (InputError...) answer the request; anything else is
-        the plugin's bug: 500, logged once naming plugin, hook and exception. With `deadline`
-        (on the runner's clock), a call still waiting for the pool then answers 504."""
-        cost = self.cost(model, hook)
+    async def run(self, model: str, plugin_name: str, plugin: ModelPlugin[Any], hook: str, *args: Any,
+                  deadline: float | None = None) -> Any:
+        """Run a hook. Its RouterErrors (InputError...) answer the request; anything else is the
+        plugin's bug: 500, logged once naming plugin, hook and exception. With `deadline` (on the
+        runner's clock), a call not done by then answers 504 (a pool's queue, a slow child)."""
         try:
-            if cost.inline:
-                return _timed(cost, fn, *args)
-            work = self._on_pool(cost, fn, *args)
+            if isinstance(plugin, RemotePlugin):
+                work = plugin.acall(hook, *args)
+            else:
+                cost = self.cost(model, hook)
+                if cost.inline:
+                    return _timed(cost, getattr(plugin, hook), *args)
+                work = self._on(self._post if hook == "postprocess" else self._cpu, cost, getattr(plugin, hook), *args)
             if deadline is None:
                 return await work
             try:
                 return await asyncio.wait_for(work, max(0.0, deadline - self._clock()))
             except TimeoutError:
-                raise DeadlineExceeded(f"deadline passed while preparing the input for model {model!r}") from None
+                raise DeadlineExceeded(f"deadline passed while {DOING.get(hook, hook)} for model {model!r}") from None
         except RouterError:
             raise
         except Exception as exc:
-            log.error("model %s: plugin %s raised in %s: %s: %s", model, plugin, hook, type(exc).__name__, exc,
-                      exc_info=exc, extra={"model": model, "plugin": plugin, "hook": hook})
-            raise ModelError(f"model {model!r}: plugin {plugin!r} failed in {hook}: {type(exc).__name__}: {exc}") from None
+            log.error("model %s: plugin %s raised in %s: %s: %s", model, plugin_name, hook, type(exc).__name__, exc,
+                      exc_info=exc, extra={"model": model, "plugin": plugin_name, "hook": hook})
+            raise ModelError(f"model {model!r}: plugin {plugin_name!r} failed in {hook}: {type(exc).__name__}: {exc}"
+                             ) from None
 
-    async def _on_pool(self, cost: HookCost, fn: Callable[..., T], *args: Any) -> T:
-        """Run fn on the pool. Work whose request was answered (deadline, client gone) before a pool
-        thread picked it up is skipped, not run for nobody."""
+    async def described(self, plugin: ModelPlugin[Any], payload: Payload, item: Any) -> dict[str, Any]:
+        """The input's facts for its log line: at once in-process; from the instance's process, awaited
+        (a call there must never block the event loop), and left out if it fails."""
+        if not isinstance(plugin, RemotePlugin):
+            return plugin.describe_input(payload, item)
+        try:
+            described: dict[str, Any] = await plugin.acall("describe_input", payload, item)
+        except (RouterError, RuntimeError) as exc:  # its error, or the plugin's bug as the process reports it
+            log.warning("model %s: describe_input failed: %s", plugin.name, exc, extra={"model": plugin.name})
+            return {}
+        return described
+
+    @staticmethod
+    async def _on(pool: ThreadPoolExecutor, cost: HookCost, fn: Any, *args: Any) -> Any:
+        """Run fn on `pool`. Work whose request was answered (deadline, client gone) before a thread
+        picked it up is skipped, not run for nobody."""
         abandoned = [False]  # a flag, not a threading.Event: set on the loop, read once by the pool thread
 
-        def unless_abandoned() -> T:
+        def unless_abandoned() -> Any:
             if abandoned[0]:
                 raise asyncio.CancelledError
             return _timed(cost, fn, *args)
 
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, unless_abandoned)
+            return await asyncio.get_running_loop().run_in_executor(pool, unless_abandoned)
         except BaseException:
             abandoned[0] = True
             raise
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _timed(cost: HookCost, fn: Callable[..., T], *args: Any) -> T:

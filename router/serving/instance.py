@@ -16,7 +16,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from router.errors import (
@@ -24,6 +24,7 @@ from router.errors import (
     DeviceOutOfMemory,
     ExecutionTimeout,
     ModelError,
+    ModelUnavailable,
 )
 from router.scheduling.queue import BatchResult, Ticket
 from router.scheduling.service_time import BatchTime, InstanceLoad
@@ -53,8 +54,8 @@ TRANSITIONS: dict[InstanceState, frozenset[InstanceState]] = {
     _S.PENDING: frozenset({_S.LOADING, _S.FAILED, _S.UNLOADED}),
     _S.LOADING: frozenset({_S.WARMING, _S.FAILED, _S.UNLOADING}),
     _S.WARMING: frozenset({_S.READY, _S.FAILED, _S.UNLOADING}),
-    _S.READY: frozenset({_S.FENCED, _S.DRAINING, _S.UNLOADING}),
-    _S.FENCED: frozenset({_S.READY, _S.DRAINING, _S.UNLOADING}),
+    _S.READY: frozenset({_S.FENCED, _S.DRAINING, _S.UNLOADING, _S.FAILED}),  # failed: its process died
+    _S.FENCED: frozenset({_S.READY, _S.DRAINING, _S.UNLOADING, _S.FAILED}),
     _S.DRAINING: frozenset({_S.READY, _S.UNLOADING}),
     _S.UNLOADING: frozenset({_S.UNLOADED, _S.FAILED}),
     _S.UNLOADED: frozenset({_S.LOADING, _S.UNLOADED}),
@@ -117,8 +118,16 @@ class ModelInstance:
         self._clock = clock
         self._on_batch = on_batch
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.key}")
-        self._inflight: Future[Any] | None = None
+        self._inflight: asyncio.Future[Any] | None = None
         self.changes = 0  # counts what its forecast depends on: state, running batch, timings
+        self._uses = 0  # hooks running on its plugin (pre- and postprocessing), and answers not yet postprocessed
+        self._unused = asyncio.Event()
+        self._unused.set()
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The runtime's clock: it times this instance's loads and batches (warm-up ones included)."""
+        return self._clock
 
     # -- lifecycle: the only writers of the state ---------------------------------------------
 
@@ -151,6 +160,11 @@ class ModelInstance:
     def fail(self, error: str, cause: BaseException | None = None) -> None:
         self.error, self.cause = error, cause
         self._move(InstanceState.FAILED, error)
+
+    def lose(self, why: str) -> None:
+        """Out of service for good: what ran the model is gone (its process died)."""
+        self.estimate = None
+        self.fail(why)
 
     def fence(self, why: str) -> None:
         """Out of service until its thread returns (a batch overran its execution timeout)."""
@@ -207,6 +221,21 @@ class ModelInstance:
         """Return once no batch runs on this instance (the scheduler has released it)."""
         await self._idle.wait()
 
+    def begin_use(self) -> None:
+        """A hook is about to run on this instance's plugin, or an answer awaits its postprocessing:
+        an unload waits for `end_use` (`until_unused`)."""
+        self._uses += 1
+        self._unused.clear()
+
+    def end_use(self) -> None:
+        self._uses -= 1
+        if self._uses == 0:
+            self._unused.set()
+
+    async def until_unused(self) -> None:
+        """Return once no hook runs on this instance's plugin and every answer it gave is postprocessed."""
+        await self._unused.wait()
+
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run fn on this instance's thread (loading, warm-up, profiling)."""
         loop = asyncio.get_running_loop()
@@ -218,18 +247,19 @@ class ModelInstance:
         live = [t for t in tickets if not t.future.done()]
         outputs: list[tuple[Ticket, Any]] = []
         errors: list[tuple[Ticket, BaseException]] = []
-        started = time.perf_counter()
+        started = self._clock()
         if live:
             await self._run_split(live, outputs, errors)
         answered = {id(t) for t, _ in outputs} | {id(t) for t, _ in errors}
         errors += [(t, ModelError(f"model {self.model!r}: batch ended without an answer"))
                    for t in live if id(t) not in answered]
-        return BatchResult(outputs, errors, len(live), time.perf_counter() - started)
+        ended = self._clock()
+        return BatchResult(outputs, errors, len(live), ended - started, ended, instance=self)
 
     async def wait_idle(self) -> None:
         """Return once the thread has really finished its last batch (a stalled one included)."""
         if self._inflight is not None and not self._inflight.done():
-            await asyncio.wrap_future(self._inflight)
+            await asyncio.shield(self._inflight)
 
     def shutdown(self) -> None:
         """Stop the thread (at process exit; an unloaded instance may load again until then)."""
@@ -240,7 +270,7 @@ class ModelInstance:
         """Predict; on out-of-memory free the cache and retry each half; one item that still fails gets 503."""
         try:
             results = await self._predict([t.item for t in tickets])
-        except ExecutionTimeout as exc:
+        except (ExecutionTimeout, ModelUnavailable) as exc:  # fenced, or its process is gone: answered as is
             errors += [(t, exc) for t in tickets]
             return
         except Exception as exc:
@@ -270,28 +300,34 @@ class ModelInstance:
     async def _predict(self, items: list[Any]) -> Sequence[Any]:
         if self._inflight is not None and not self._inflight.done():
             raise ExecutionTimeout(f"model {self.model!r} instance {self.index} is stalled by an earlier batch")
-        loop = asyncio.get_running_loop()
-        started = time.perf_counter()
-        inflight = self._executor.submit(self.plugin.predict_batch, items)
+        started = self._clock()
+        # On the loop's executor path like every other call to this thread, so the clock that
+        # times the batch (an injected one in tests) also sees it run.
+        inflight = asyncio.get_running_loop().run_in_executor(self._executor, self.plugin.predict_batch, items)
         self._inflight = inflight
         try:
-            outputs = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(inflight)), self.execution_timeout_s)
+            outputs = await asyncio.wait_for(asyncio.shield(inflight), self.execution_timeout_s)
         except TimeoutError:
             log.error("model %s instance %d: batch exceeded %.3fs; instance fenced until it returns",
                       self.model, self.index, self.execution_timeout_s)
             if self._state is InstanceState.READY:
                 self.fence(f"a batch exceeded {self.execution_timeout_s:.3f}s")
-            inflight.add_done_callback(lambda _: _call_soon(loop, self._recover))
+            inflight.add_done_callback(self._stalled_batch_returned)
             raise ExecutionTimeout(
                 f"model {self.model!r} execution exceeded its timeout of {self.execution_timeout_s:.3f}s"
             ) from None
-        elapsed = time.perf_counter() - started
+        elapsed = self._clock() - started
         self.batches += 1
         self.times.observe(len(items), elapsed, self._clock())
         self.changes += 1
         if self._on_batch is not None:
             self._on_batch(self.model, len(items), elapsed)
         return outputs  # type: ignore[no-any-return]
+
+    def _stalled_batch_returned(self, batch: asyncio.Future[Any]) -> None:
+        if not batch.cancelled():
+            batch.exception()  # its requests were answered at the timeout; nobody else reads it
+        self._recover()
 
     def _recover(self) -> None:
         if self._state is InstanceState.FENCED:
@@ -302,12 +338,4 @@ class ModelInstance:
         if self.device.startswith("cuda") and "torch" in sys.modules:
             torch = sys.modules["torch"]
             await self.call(torch.cuda.empty_cache)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> None:
-    """Schedule from another thread; a loop already closed (the service stopped) is ignored."""
-    try:
-        loop.call_soon_threadsafe(callback)
-    except RuntimeError:
-        pass
 

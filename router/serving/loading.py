@@ -5,7 +5,6 @@ weights, put it in service. A failure marks that instance failed; other models g
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 
 from router.errors import ModelDoesNotFit
@@ -80,7 +79,7 @@ async def _unload_quietly(instance: ModelInstance) -> None:
 
 async def _load_instance(deployment: Deployment, instance: ModelInstance, scheduler: DeviceScheduler) -> bool:
     name, plugin, config = deployment.name, instance.plugin, deployment.config
-    started = time.perf_counter()
+    started = instance.clock()
     reload = instance.last_estimate if instance.times.seeded else None  # an earlier load's figures
     await instance.call(plugin.load, instance.device)
     instance.begin_warmup()
@@ -105,7 +104,7 @@ async def _load_instance(deployment: Deployment, instance: ModelInstance, schedu
     log.info(
         "model %s instance %d: ready in %.2fs (weights %d B, per item %d B, %s; max batch %d; batch time %.1f ms"
         " at 1, %.1f ms at %d)",
-        name, instance.index, time.perf_counter() - started, estimate.weights_bytes,
+        name, instance.index, instance.clock() - started, estimate.weights_bytes,
         estimate.per_item_bytes, estimate.source, limit, instance.times.base_s(1) * 1000,
         instance.times.base_s(limit) * 1000, limit, extra={"model": name},
     )
@@ -115,7 +114,7 @@ async def _load_instance(deployment: Deployment, instance: ModelInstance, schedu
 async def _time_batches(deployment: Deployment, instance: ModelInstance, sizes: list[int]) -> None:
     """Time `predict_batch` on the warmed instance at each size: the deadline gate's first prediction
     comes from these idle-device timings, not from the first batch under load."""
-    plugin = instance.plugin
+    plugin, clock = instance.plugin, instance.clock
 
     def measure() -> list[tuple[int, float]]:
         payload = plugin.example_payload()
@@ -124,15 +123,15 @@ async def _time_batches(deployment: Deployment, instance: ModelInstance, sizes: 
         item = plugin.preprocess(payload)
         timings = []
         for size in sizes:
-            begun = time.perf_counter()
+            begun = clock()
             try:
                 plugin.predict_batch([item] * size)
-            except Exception as exc:  # best effort: real batches will teach the estimate instead
+            except Exception as exc:  # noqa: BLE001  # best effort: real batches will teach the estimate instead
                 log.info("model %s instance %d: timing a batch of %d failed (%s: %s); the first real batches "
                          "will be timed instead", deployment.name, instance.index, size, type(exc).__name__, exc,
                          extra={"model": deployment.name})
                 break
-            timings.append((size, time.perf_counter() - begun))
+            timings.append((size, clock() - begun))
         return timings
 
     timings = await instance.call(measure)

@@ -3,7 +3,8 @@ and what its loads and unloads cost.
 
 It is a small state machine with one owner: every change is one of the transition methods below
 (a request holds and releases the model, waits for its load; an operator loads, unloads or lets
-go of it; the residency executor starts, ends and gives up loads, evicts and unloads). Its fields
+go of it; the residency executor starts, ends and gives up loads, evicts, unloads, and learns that
+an instance's process died). Its fields
 are private and read through properties, so a write from anywhere else fails at once.
 """
 
@@ -35,6 +36,8 @@ class Residency:
         self._held_down = False  # an operator's unload: not loaded again until an operator loads it
         self._never_fits: str | None = None
         self._load_error: str | None = None
+        self._lost: str | None = None  # why an instance's process died, until it serves again (it is restarted)
+        self._restarts = 0  # instances restarted after their process died
         self._retry_at = 0.0  # no new load of a failing on-demand model before this
         self._retry_s = LOAD_RETRY_S
         self._cold_start_s: float | None = None  # the last successful load's duration
@@ -75,6 +78,14 @@ class Residency:
     @property
     def load_error(self) -> str | None:
         return self._load_error
+
+    @property
+    def lost(self) -> str | None:
+        return self._lost
+
+    @property
+    def restarts(self) -> int:
+        return self._restarts
 
     @property
     def retry_at(self) -> float:
@@ -125,10 +136,10 @@ class Residency:
         return None
 
     def load_left_s(self, now: float) -> float:
-        """How long the load under way (or one started now) is expected to take still."""
+        """Seconds until the load under way (or one started now) is expected to end (at least 1: a Retry-After)."""
         expected = self._cold_start_s or 1.0
         if self._load_started_at is None:
-            return expected
+            return max(1.0, expected)
         return max(1.0, self._load_started_at + expected - now)
 
     # -- the request path -----------------------------------------------------------------------
@@ -179,7 +190,15 @@ class Residency:
         self._loads += 1
         self._cold_start_s = seconds
         self._last_load_at = time.time()
-        self._load_error, self._retry_s = None, LOAD_RETRY_S
+        self._load_error, self._retry_s, self._lost = None, LOAD_RETRY_S, None
+        self._pulse()
+
+    def instance_lost(self, why: str, *, reload: bool) -> None:
+        """An instance's process died; with `reload` (an always-resident model) residency loads it
+        again at once, and until it serves, requests are refused as restarting."""
+        self._restarts += 1
+        if reload:
+            self._lost = why
         self._pulse()
 
     def load_postponed(self) -> None:

@@ -107,7 +107,7 @@ def resolve_fleet(fleet: FleetConfig, registry: PluginRegistry, source: str = "f
             continue
         try:
             info.cls(options, PluginContext(name, fleet.model_store, fleet.allow_absolute_paths))
-        except Exception as exc:  # a path outside the store (ValueError), or the plugin's own refusal
+        except Exception as exc:  # noqa: BLE001  # a path outside the store (ValueError), or the plugin's own refusal
             problems.append(f"{source}: models.{name}.options: {clip(str(exc) or type(exc).__name__)}")
             continue
         models[name] = ModelPlan(name, info, options)

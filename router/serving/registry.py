@@ -57,7 +57,7 @@ def discover(group: str, check: Callable[[str, object], T], *, only: Collection[
             target = check(point.name, point.load())
         except PluginValidationError as exc:
             found.broken[point.name] = str(exc)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  # a broken entry point is listed as broken, never fatal
             found.broken[point.name] = f"{type(exc).__name__}: {exc}"
         else:
             found.entries[point.name] = Entry(point.name, target, dist.name if dist else None,

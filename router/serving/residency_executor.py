@@ -19,7 +19,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from router.errors import ModelDoesNotFit, ModelUnavailable
+from router.errors import InstanceLost, ModelDoesNotFit, ModelUnavailable
+from router.scheduling.queue import reject
 from router.scheduling.scheduler import DeviceScheduler
 from router.serving.deployment import Deployment
 from router.serving.fleet_state import FleetState
@@ -88,6 +89,32 @@ class ResidencyExecutor:
     def count_eviction(self, deployment: Deployment, instance: ModelInstance, kind: str) -> None:
         deployment.residency.evicted(kind)
         self.telemetry.observe_eviction(deployment.name, instance.device, kind)
+
+    def instance_lost(self, runner_key: str, why: str) -> None:
+        """An instance in service lost its process: fail it and give back its weights; with no other
+        instance serving, answer its queue 503. An always-resident model is loaded again by residency
+        (`Deployment.wanted`); an on-demand one with its next request."""
+        try:
+            deployment, instance = self._fleet.find_instance(runner_key)
+        except KeyError:
+            return
+        if not instance.serving:  # loading, warming or unloading: that work fails or ends by itself
+            return
+        instance.lose(why)
+        scheduler = self._fleet.scheduler_of(instance)
+        if scheduler is not None:
+            scheduler.release_weights(instance)
+        res = deployment.residency
+        res.instance_lost(why, reload=not deployment.on_demand)
+        if not deployment.serving:
+            retry = InstanceLost(f"model {deployment.name!r}: {why}; it is restarting",
+                                 retry_after_s=res.load_left_s(self._clock()))
+            for ticket in deployment.queue.withdraw_all():
+                reject(ticket, retry)
+        log.error("model %s instance %d: %s; %s", deployment.name, instance.index, why,
+                  "loading it again" if res.lost else "it loads again on demand",
+                  extra={"model": deployment.name, "instance": instance.key})
+        self.notify(deployment)
 
     def cannot_load(self, runner_key: str, reason: str) -> None:
         deployment, _ = self._fleet.find_instance(runner_key)
@@ -160,6 +187,11 @@ class ResidencyExecutor:
             instance.begin_drain()
         await instance.until_batch_done()
         await instance.wait_idle()  # a stalled batch's thread too
+        try:  # hooks running on its plugin, and answers it gave that are not yet postprocessed
+            await asyncio.wait_for(instance.until_unused(), instance.execution_timeout_s)
+        except TimeoutError:
+            log.warning("model %s instance %d: unloading with pre- or postprocessing still running on it after %.1f s",
+                        deployment.name, instance.index, instance.execution_timeout_s, extra={"model": deployment.name})
         booked = instance.estimate.weights_bytes if instance.estimate else 0
         before = scheduler.read_now() if scheduler is not None else None
         instance.begin_unload()

@@ -21,13 +21,14 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from router.config import FleetConfig
 from router.errors import DeadlineExceeded, RouterError, ShuttingDown, outcome_of
 from router.scheduling.probes import MemoryProbe, make_probe
-from router.scheduling.queue import ModelQueue, Served, Ticket
+from router.scheduling.queue import ModelQueue, Ticket
 from router.scheduling.scheduler import DeviceScheduler
 from router.sdk.plugin import Payload, PluginContext
 from router.serving.checks import check_answer, check_media_type
@@ -40,15 +41,18 @@ from router.serving.instance import ModelInstance
 from router.serving.intake import SHUTTING_DOWN, Accepted, Intake
 from router.serving.isolation import RemotePlugin
 from router.serving.loading import load_deployment
+from router.serving.phases import trace_execution
 from router.serving.plan import FleetPlan
 from router.serving.residency_executor import ResidencyExecutor, UnloadReport
 from router.serving.rules import Terms
 from router.serving.snapshots import DeviceInfo, ModelInfo, device_info, model_info
 from router.serving.telemetry import Telemetry, TelemetryFanout
+from router.tracing.api import Phases, Tracing, within_phase
 
 __all__ = ["Answer", "Runtime"]
 
 log = logging.getLogger("router.serving.runtime")
+T = TypeVar("T")
 ProbeFactory = Callable[[str, str], "MemoryProbe | None"]
 #: `precheck` leaves the wait prediction to `submit` for bodies announced at most this size.
 PRECHECK_WAIT_MIN_BYTES = 64 * 1024
@@ -76,8 +80,10 @@ class Runtime:
         telemetry: Telemetry | None = None,
         clock: Callable[[], float] = time.monotonic,
         plugin_extra: dict[str, Any] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.plan = plan
+        self.tracing = tracing  # batch spans, made by the device schedulers
         self.fleet: FleetConfig = plan.fleet
         self.clock = clock
         self.telemetry = TelemetryFanout()
@@ -90,6 +96,7 @@ class Runtime:
         self._inflight = InFlight()
         self._draining = False
         self._load_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._plugin_extra = dict(plugin_extra or {})
         self._residency = ResidencyExecutor(self._state, self.telemetry, self.clock)
         for name in self.plan.models:
@@ -105,28 +112,42 @@ class Runtime:
         queue = ModelQueue(name, max_size=config.queue.max_size, priority_levels=config.queue.priority_levels)
         deployment = Deployment(name, config, model_plan.plugin, model_plan.options, queue, generation=generation)
         context = PluginContext(name, fleet.model_store, fleet.allow_absolute_paths, dict(self._plugin_extra))
+        timeout_s = config.execution.timeout_ms / 1000.0
         for index, device in enumerate(config.instance_devices):
             cls = model_plan.plugin.cls
-            plugin = (RemotePlugin(cls, model_plan.options, context) if config.isolation == "process"
-                      else cls(model_plan.options, context))
+            plugin = (RemotePlugin(cls, model_plan.options, context, call_timeout_s=timeout_s)
+                      if config.isolation == "process" else cls(model_plan.options, context))
             instance = ModelInstance(
                 name, index, device, plugin,
-                execution_timeout_s=config.execution.timeout_ms / 1000.0,
+                execution_timeout_s=timeout_s,
                 on_batch=self.telemetry.observe_batch,
                 clock=self.clock,
                 generation=generation,
             )
+            if isinstance(plugin, RemotePlugin):
+                plugin.on_exit = partial(self._instance_exited, instance.key)
             deployment.instances.append(instance)
         return deployment
 
+    def _instance_exited(self, key: str, why: str) -> None:
+        """An instance's process died (told from its reader thread): the fleet fails and restarts it."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._residency.instance_lost, key, why)
+        except RuntimeError:  # the loop is closed: the server is stopping
+            pass
+
     async def start(self) -> None:
         """Start the device schedulers and begin loading models in the background."""
+        self._loop = asyncio.get_running_loop()
         for device, config in self.fleet.devices.items():
             try:
                 probe = self._probe_factory(device, config.probe)
-                scheduler = DeviceScheduler(device, config, probe, clock=self.clock)
+                scheduler = DeviceScheduler(device, config, probe, clock=self.clock, tracing=self.tracing)
                 scheduler.resolve_budget()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  # a device that cannot be budgeted fails its own models only
                 self._state.device_failed(device, f"{type(exc).__name__}: {exc}")
                 log.error("device %s unavailable: %s", device, exc)
                 continue
@@ -312,23 +333,30 @@ class Runtime:
         timeout_ms: float | None = None,
         request_id: str | None = None,
         received_at: float | None = None,
+        trace: Phases | None = None,
     ) -> Answer:
         """Run one input through a model. Raises a RouterError subclass on any failure.
-        The deadline counts from `received_at` (the runtime's clock) when the caller knows it."""
+        The deadline counts from `received_at` (the runtime's clock) when the caller knows it.
+        With `trace` (a sampled request's), each phase of the path is recorded there as it ends."""
         deployment = self._state.get(model)
         request_id = request_id or uuid.uuid4().hex
         started = self.clock() if received_at is None else min(received_at, self.clock())
         terms = Terms(deployment.name, started, priority, timeout_ms)
         with self._inflight.request(lambda outcome: self._count(deployment.name, outcome, started)):
-            admission = self.intake.check(deployment, terms)
-            check_media_type(deployment.name, deployment.plugin.cls.accepts, payload)
-            accepted = self.intake.commit(deployment, admission)
-            try:
-                answer = await self._held(accepted, payload, request_id)
-            finally:
-                self.intake.release(accepted)
-            self.telemetry.observe_answer(deployment.name, self.clock() - started, admission.deadline - started)
+            work = self._admitted(deployment, terms, payload, request_id, trace)
+            answer, deadline = await (work if trace is None else within_phase(trace, "admission", self.clock, work))
+            self.telemetry.observe_answer(deployment.name, self.clock() - started, deadline - started)
             return answer
+
+    async def _admitted(self, deployment: Deployment, terms: Terms, payload: Payload, request_id: str,
+                        trace: Phases | None) -> tuple[Answer, float]:
+        admission = self.intake.check(deployment, terms)
+        check_media_type(deployment.name, deployment.plugin.cls.accepts, payload)
+        accepted = self.intake.commit(deployment, admission)
+        try:
+            return await self._held(accepted, payload, request_id, trace), admission.deadline
+        finally:
+            self.intake.release(accepted)
 
     async def until_serving(self, accepted: Accepted) -> None:
         """An admitted request for a model that is not loaded waits for its load (counted in its queue)."""
@@ -337,40 +365,66 @@ class Runtime:
             waited = await self._residency.until_serving(deployment, accepted.admission.deadline)
             self.telemetry.observe_cold_wait(deployment.name, waited)
 
-    async def _held(self, accepted: Accepted, payload: Payload, request_id: str) -> Answer:
+    async def _held(self, accepted: Accepted, payload: Payload, request_id: str, trace: Phases | None) -> Answer:
         deployment, deadline = accepted.deployment, accepted.admission.deadline
         try:
+            if trace is not None and not deployment.serving:
+                trace.enter("wait for load", self.clock())
             await self.until_serving(accepted)
-            plugin = deployment.front
-            item = await self.hooks.run(deployment.name, deployment.plugin.name, "preprocess", plugin.preprocess, payload,
-                                        deadline=deadline)
-            future: asyncio.Future[Served] = asyncio.get_running_loop().create_future()
-            ticket = self.intake.enqueue(accepted, item, future, request_id, len(payload.body))
+            if trace is not None:
+                trace.enter("preprocess", self.clock())
+            front = deployment.front_instance()
+            front.begin_use()  # an unload waits until its plugin is done preparing this input
+            try:
+                item = await self.hooks.run(deployment.name, deployment.plugin.name, front.plugin, "preprocess",
+                                            payload, deadline=deadline)
+            finally:
+                front.end_use()
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            ticket = self.intake.enqueue(accepted, item, future, request_id, len(payload.body),
+                                         trace=trace.ref if trace is not None else None)
         except BaseException:
             self.intake.unreserve(accepted)
             raise
+        if trace is not None:
+            trace.enter("queue wait", ticket.arrived_at)
         try:
-            served = await self._await_ticket(accepted, ticket)
+            try:
+                output = await self._await_ticket(accepted, ticket)
+            except BaseException as exc:
+                if trace is not None:
+                    trace_execution(trace, ticket.batch, self.clock(), exc)
+                raise
+            batch = ticket.batch
+            assert batch is not None
+            if trace is not None:
+                trace_execution(trace, batch, self.clock())
+            # The instance that ran the batch postprocesses its answer, and stays loaded until it has.
+            plugin = batch.instance.plugin if batch.instance is not None else front.plugin
+            result = await self.hooks.run(deployment.name, deployment.plugin.name, plugin, "postprocess", output, item,
+                                          deadline=deadline)
+            check_answer(deployment.name, deployment.plugin.name, result)
+            described = await self.hooks.described(plugin, payload, item)
         finally:
             self.intake.tickets.discard(ticket)
-        result = await self.hooks.run(deployment.name, deployment.plugin.name, "postprocess", plugin.postprocess,
-                                      served.output, item)
-        check_answer(deployment.name, deployment.plugin.name, result)
-        batch = served.batch
+            if ticket.batch is not None and ticket.batch.instance is not None and ticket.future.done() \
+                    and not ticket.future.cancelled() and ticket.future.exception() is None:
+                ticket.batch.instance.end_use()
         now = self.clock()  # batch end to answer: what the deadline gate adds after a batch
         deployment.lag.observe(max(0.0, now - batch.dispatched_at - batch.execution_s), now)
         wait = batch.dispatched_at - ticket.arrived_at
         self.telemetry.observe_queue_wait(deployment.name, wait)
         return Answer(request_id, deployment.name, result, wait, batch.size, batch.execution_s,
-                      batch.memory_delta_bytes, plugin.describe_input(payload, item))
+                      batch.memory_delta_bytes, described)
 
     def _check_open(self) -> None:
         if self.intake.closing:
             raise ShuttingDown(SHUTTING_DOWN.detail, retry_after_s=SHUTTING_DOWN.retry_after_s)
 
-    async def _await_ticket(self, accepted: Accepted, ticket: Ticket) -> Served:
-        """Wait for the ticket's batch. A ticket still queued at its deadline is withdrawn and gets 504 then."""
-        future: asyncio.Future[Served] = ticket.future
+    async def _await_ticket(self, accepted: Accepted, ticket: Ticket) -> Any:
+        """Wait for the ticket's batch, up to its deadline: then a ticket still queued is withdrawn (it
+        never runs), and one whose batch is running gets 504 all the same; no answer comes late."""
+        future: asyncio.Future[Any] = ticket.future
         try:
             remaining = max(0.0, ticket.deadline - self.clock())
             try:
@@ -379,16 +433,29 @@ class Runtime:
                 if self.intake.withdraw(accepted, ticket):
                     future.cancel()  # resolved: the error goes to the caller directly
                     raise expired(accepted) from None
-                return await future  # already running: its execution timeout bounds the wait
+                # Running: the deadline still holds. The batch goes on; this input's answer is dropped.
+                _drop(future)
+                raise DeadlineExceeded(f"deadline passed after {_budget_ms(accepted)} ms while the batch of model "
+                                       f"{accepted.admission.model!r} holding this input ran") from None
         except asyncio.CancelledError:
             self.intake.withdraw(accepted, ticket)  # the caller went away: never run it
-            future.cancel()
+            _drop(future)
             raise
+
+
+def _drop(future: asyncio.Future[Any]) -> None:
+    """Nobody will read this answer: if it came already, its instance's use ends here."""
+    if future.done() and not future.cancelled() and future.exception() is None:
+        return  # handled by the caller's finally (it reads ticket.batch)
+    future.cancel()
+
+
+def _budget_ms(accepted: Accepted) -> str:
+    admission = accepted.admission
+    return f"{(admission.deadline - admission.arrived_at) * 1000:.0f}"
 
 
 def expired(accepted: Accepted) -> DeadlineExceeded:
     """The 504 of a request still queued at its deadline."""
-    admission = accepted.admission
-    budget = admission.deadline - admission.arrived_at
-    return DeadlineExceeded(f"deadline passed after {budget * 1000:.0f} ms in the queue of model "
-                            f"{admission.model!r}; the input was not run")
+    return DeadlineExceeded(f"deadline passed after {_budget_ms(accepted)} ms in the queue of model "
+                            f"{accepted.admission.model!r}; the input was not run")

@@ -81,6 +81,8 @@ class ResidencyInfo:
     never_fits: str | None
     load_error: str | None
     generation: int
+    restarts: int = 0  # instances loaded again after their process died
+    lost: str | None = None  # why, while the restart is under way
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,8 @@ def _residency(deployment: Deployment, now: float) -> ResidencyInfo:
         last_unload_returned_bytes=res.last_unload_returned_bytes,
         evictions=dict(res.evictions),
         never_fits=res.never_fits,
+        restarts=res.restarts,
+        lost=res.lost,
         load_error=res.load_error,
         generation=deployment.generation,
     )

@@ -1,6 +1,9 @@
-"""The cluster on a real local Ray cluster of two "GPU hosts" (see conftest): throughput of two
-device replicas against one, the latency the cluster path adds, four on-demand models of which
-two fit per replica, a replica killed under load, and autoscaling under a surge."""
+"""The cluster on a real local Ray cluster of two "GPU hosts" (see conftest): two device replicas
+sharing one model's traffic, the cluster front answering as one process does, four on-demand
+models of which two fit per replica, a replica killed under load, and autoscaling under a surge.
+
+What the cluster costs or gains in speed (two replicas' throughput over one, the p50 the cluster
+path adds) is measured side by side by `make bench` (benchmarks/cluster.py), not asserted here."""
 
 from __future__ import annotations
 
@@ -55,35 +58,43 @@ def copies(url: str, model: str) -> int:
     return int(cluster_models(url)[model]["cluster"]["copies"])
 
 
-def test_two_device_replicas_serve_at_least_1_6x_one(tmp_path: Path, ray_cluster: Any) -> None:
-    rates = {}
-    for replicas in (1, 2):
-        with deployed(tmp_path, accel_fleet(free_port(), replicas)) as url:
-            wait_until(lambda: copies(url, "accel") == replicas, 60)
-            loadgen(url, [f"/models/accel/predict={JSON}"], "--concurrency", "128", "--duration", "1.5")
-            report = loadgen(url, [f"/models/accel/predict={JSON}"], "--concurrency", "128", "--duration", "6",
-                             "--timeout", "30")
-            assert report["statuses"] == {"200": report["requests"]}, report["statuses"]
-            rates[replicas] = report["throughput_rps"]
-    print(f"\ncluster throughput at concurrency 128: one replica {rates[1]} rps, two {rates[2]} rps, "
-          f"ratio {rates[2] / rates[1]:.2f}")
-    assert rates[2] >= 1.6 * rates[1], rates
+def served_by(url: str, model: str = "accel") -> dict[str, int]:
+    """Requests each replica answered 200 for `model`, as the front last heard from it."""
+    replicas = cluster_models(url)[model]["cluster"]["replicas"]
+    return {replica: int(r["requests"].get("ok", 0)) for replica, r in replicas.items()}
 
 
-def test_the_cluster_path_adds_little_latency_at_concurrency_1(tmp_path: Path, ray_cluster: Any) -> None:
-    target = [f"/models/noop/predict={JSON}"]
+def test_two_device_replicas_share_one_models_traffic(tmp_path: Path, ray_cluster: Any) -> None:
+    with deployed(tmp_path, accel_fleet(free_port(), 2)) as url:
+        wait_until(lambda: copies(url, "accel") == 2, 60)
+        report = loadgen(url, [f"/models/accel/predict={JSON}"], "--concurrency", "128", "--duration", "6",
+                         "--timeout", "30")
+        wait_until(lambda: sum(served_by(url).values()) >= report["requests"], 30)  # replicas report every 0.25 s
+        served = served_by(url)
+    print(f"\ntwo device replicas at concurrency 128: {report['throughput_rps']} rps, served per replica {served}")
+    assert report["statuses"] == {"200": report["requests"]}, report["statuses"]
+    assert len(served) == 2, served
+    assert min(served.values()) >= 0.2 * sum(served.values()), f"one replica took (nearly) all the traffic: {served}"
+
+
+def test_the_cluster_front_answers_as_one_process_does(tmp_path: Path, ray_cluster: Any) -> None:
     fleet = accel_fleet(free_port(), 1)
+    bodies = [{"id": f"n{i}"} for i in range(20)]
+
+    def answers(url: str) -> list[tuple[int, Any]]:
+        with httpx.Client(base_url=url, timeout=30) as client:
+            replies = [client.post("/models/noop/predict", json=body) for body in bodies]
+        return [(r.status_code, r.json()["result"]["id"]) for r in replies]
+
     with deployed(tmp_path, fleet) as url:
-        loadgen(url, target, "--concurrency", "1", "--duration", "1")
-        cluster = loadgen(url, target, "--concurrency", "1", "--duration", "4")
+        cluster = answers(url)
+        through_front = loadgen(url, [f"/models/noop/predict={JSON}"], "--concurrency", "1", "--duration", "2")
     with serve(tmp_path, fleet) as single:  # the same fleet in one process (the cluster section is unused)
-        loadgen(single.url, target, "--concurrency", "1", "--duration", "1")
-        alone = loadgen(single.url, target, "--concurrency", "1", "--duration", "4")
-    added = cluster["ok_ms"]["p50"] - alone["ok_ms"]["p50"]
-    print(f"\nno-op model at concurrency 1: single process p50 {alone['ok_ms']['p50']} ms, cluster p50 "
-          f"{cluster['ok_ms']['p50']} ms: added {added:.2f} ms (goal <= 3 ms)")
-    assert cluster["statuses"] == {"200": cluster["requests"]}
-    assert added <= 10.0  # the goal is 3 ms, not met here (README, "Scale out"); this bounds regressions
+        alone = answers(single.url)
+    print(f"\nno-op model at concurrency 1 through the cluster front: p50 {through_front['ok_ms']['p50']} ms "
+          "(make bench compares it with one process)")
+    assert cluster == alone == [(200, body["id"]) for body in bodies]
+    assert through_front["statuses"] == {"200": through_front["requests"]}
 
 
 FOUR = "".join(f"""  m{i}:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from router.cluster.reports import RouteView
 from router.cluster.routing import rank_replicas
 
 MB = 1_000_000
 
 
-def view(replica: str, resident: set[str] = set(), loading: set[str] = set(), free_mb: int = 0,
+def view(replica: str, resident: Iterable[str] = (), loading: Iterable[str] = (), free_mb: int = 0,
          draining: bool = False) -> RouteView:
     return RouteView(replica, frozenset(resident), frozenset(loading), free_mb * MB, draining)
 

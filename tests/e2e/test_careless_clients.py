@@ -56,7 +56,7 @@ def test_a_client_leaving_during_inference_is_499_not_an_error(server: RouterPro
     with server.connect() as sock:
         sock.sendall(b"POST /models/slow/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"X-Request-ID: leaves-early\r\nContent-Length: 11\r\n\r\n{\"id\": \"a\"}")
-        time.sleep(0.3)  # queued or running, not answered
+        server.until_model("slow", lambda m: m["instances"][0]["busy"])  # running, not answered (1.5 s)
     lines = server.access_lines("leaves-early")
     assert [line["status"] for line in lines] == [499]
     assert not [r for r in server.log_records() if r.get("level") == "error"]

@@ -114,7 +114,7 @@ def test_uninstalled_plugin_is_a_clear_start_up_error(tmp_path: Path, store: Pat
     try:
         result = subprocess.run(
             [sys.executable, "-m", "router", "serve", "--config", str(config), "--port", str(free_port())],
-            cwd=REPO, capture_output=True, text=True, timeout=120,
+            cwd=REPO, capture_output=True, text=True, timeout=120, check=False,  # its exit status is the point
         )
     finally:
         subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", "-e", str(REPO / "plugins" / "resnet")],

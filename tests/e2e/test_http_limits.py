@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.conftest import RouterProcess, serve
+from tests.conftest import HANG_S, RouterProcess, liveness_watched, serve
 
 pytestmark = pytest.mark.e2e
 
@@ -90,34 +90,21 @@ def a_million_headers() -> Iterator[bytes]:
 
 def test_a_million_headers_are_refused_without_memory_growth(server: RouterProcess) -> None:
     before = server.rss()
-    live_delays: list[float] = []
-    stop = threading.Event()
-
-    def probe_liveness() -> None:
-        while not stop.is_set():
-            started = time.monotonic()
-            assert httpx.get(server.url + "/health/live", timeout=5).status_code == 200
-            live_delays.append(time.monotonic() - started)
-            time.sleep(0.05)
-
-    prober = threading.Thread(target=probe_liveness)
-    prober.start()
     replies: list[bytes] = []
     floods = [threading.Thread(target=lambda: replies.append(
         flood(server, b"GET /health/live HTTP/1.1\r\nHost: x\r\n", a_million_headers()))) for _ in range(8)]
-    for thread in floods:
-        thread.start()
-    for thread in floods:
-        thread.join()
-    stop.set()
-    prober.join()
-
+    with liveness_watched(server) as probes:
+        for thread in floods:
+            thread.start()
+        for thread in floods:
+            thread.join()
+    assert {probe.status for probe in probes} == {200}
     assert len(replies) == 8
     for reply in replies:
         status, body = status_and_body(reply)
         assert status == 431 and body == {"detail": "the request has more than 100 header fields"}
     assert server.rss() - before < RSS_GROWTH_BOUND
-    assert max(live_delays) < 0.5, f"liveness stalled for {max(live_delays):.2f} s"
+    assert max(probe.seconds for probe in probes) < HANG_S, "liveness hung during the floods"
 
 
 @pytest.mark.parametrize("path", ["/models/echo/predict", "/v2/models/echo/infer"])
@@ -132,14 +119,15 @@ def test_a_50_mb_header_is_refused_early(server: RouterProcess, path: str) -> No
 
 
 def test_slow_headers_are_dropped_after_the_header_timeout(server: RouterProcess) -> None:
-    """50 connections sending one header line every 0.3 s: each answered 408 and closed after 1 s."""
+    """50 connections sending one header line every 0.3 s (for 18 s if let): each answered 408 and
+    closed after the 1 s header timeout."""
     results: list[tuple[float, bytes]] = []
 
     def slow_client() -> None:
         with server.connect() as sock:
             started = time.monotonic()
             sock.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n")
-            reply = trickle(sock, (b"X-Slow-%d: v\r\n" % i for i in range(30)))
+            reply = trickle(sock, (b"X-Slow-%d: v\r\n" % i for i in range(60)))
             results.append((time.monotonic() - started, reply))
 
     clients = [threading.Thread(target=slow_client) for _ in range(50)]
@@ -151,15 +139,15 @@ def test_slow_headers_are_dropped_after_the_header_timeout(server: RouterProcess
     assert len(results) == 50
     for elapsed, reply in results:
         assert status_and_body(reply) == (408, {"detail": "the request headers did not arrive within 1 s"})
-        assert 0.9 < elapsed < 2.5
+        assert 0.9 < elapsed < HANG_S
     assert httpx.get(server.url + "/health/live").status_code == 200
 
 
 def test_an_idle_connection_is_closed_after_the_header_timeout(server: RouterProcess) -> None:
-    with server.connect() as sock:
+    with server.connect(timeout=3 * HANG_S) as sock:  # a server that never closes it: a timeout past HANG_S
         started = time.monotonic()
         assert read_reply(sock) == b""  # closed without a word: it never began a request
-        assert 0.9 < time.monotonic() - started < 3.0
+        assert 0.9 < time.monotonic() - started < HANG_S
 
 
 def test_a_trickling_body_is_answered_408_and_closed(server: RouterProcess) -> None:
@@ -167,13 +155,13 @@ def test_a_trickling_body_is_answered_408_and_closed(server: RouterProcess) -> N
         started = time.monotonic()
         sock.sendall(b"POST /models/echo/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"X-Request-ID: slow-body-1\r\nContent-Length: 1000\r\n\r\n")
-        reply = trickle(sock, iter([b" "] * 30))
+        reply = trickle(sock, iter([b" "] * 60))  # 18 s if let
         elapsed = time.monotonic() - started
     status, body = status_and_body(reply)
     assert status == 408 and body == {"detail": "the request body did not arrive within 1 s",
                                       "request_id": "slow-body-1"}
     assert b"connection: close" in reply.lower()
-    assert 0.9 < elapsed < 2.5
+    assert 0.9 < elapsed < HANG_S
     assert [r["status"] for r in server.access_lines("slow-body-1")] == [408]
 
 
@@ -184,13 +172,13 @@ def test_a_body_left_unread_after_an_early_answer_is_cut_off(server: RouterProce
         sock.sendall(b"POST /models/nope/predict HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
         assert trickle(sock, iter([b" "] * 30)).startswith(b"HTTP/1.1 404")  # answered before the body
         try:
-            for _ in range(30):
+            for _ in range(60):
                 sock.sendall(b" ")
                 time.sleep(0.3)
         except (BrokenPipeError, ConnectionResetError):
             pass
         elapsed = time.monotonic() - started
-    assert elapsed < 4.0  # the body timeout (1 s) and its grace second, not the 9 s the trickle wanted
+    assert elapsed < HANG_S  # cut off after the body timeout (1 s) and its grace second, not the 18 s it wanted
 
 
 @pytest.mark.parametrize("request_bytes", [b"NOT HTTP AT ALL\r\n\r\n", b"GET / HTTP/1.1\r\nBad Header\r\n\r\n"])

@@ -3,17 +3,15 @@
 A 97-byte 1x4000 PNG once made the ResNet preprocessing allocate a 3x256x1,024,000 float tensor.
 Here such images (PNG and WebP, 1xN and Nx1, and the same shape as a V2 UINT8 tensor) go to both
 vision models of a server whose address space is capped (RLIMIT_AS, set once it is ready), so a
-regression fails this test instead of the machine: each is answered 4xx within 100 ms (median),
-the server's RSS rises by less than 100 MB, and a normal photo sent meanwhile is served.
+regression fails this test instead of the machine: each is answered 4xx from its header, the
+server's RSS rises by less than 100 MB, and a normal photo sent meanwhile is served.
 """
 
 from __future__ import annotations
 
 import io
 import resource
-import statistics
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -22,7 +20,7 @@ import pytest
 from PIL import Image
 
 from router.store import init_demo
-from tests.conftest import RouterProcess, serve
+from tests.conftest import HANG_S, RouterProcess, serve
 
 pytestmark = pytest.mark.e2e
 
@@ -84,27 +82,23 @@ def photo(server: RouterProcess, model: str, results: list[int]) -> None:
 
 
 @pytest.mark.parametrize("model", ["resnet18", "yolov8n"])
-def test_elongated_images_are_refused_at_once_with_bounded_memory(server: RouterProcess, model: str) -> None:
+def test_elongated_images_are_refused_from_the_header_with_bounded_memory(server: RouterProcess, model: str) -> None:
     photo(server, model, [])  # warm: first requests pay for lazy imports
     watch = PeakRss(server.process.pid)
     watch.start()
     normal: list[int] = []
     meanwhile = threading.Thread(target=photo, args=(server, model, normal))
     meanwhile.start()
-    latencies = []
-    with httpx.Client(base_url=server.url, timeout=10) as client:
+    with httpx.Client(base_url=server.url, timeout=HANG_S) as client:
         for _ in range(3):
             for name, fmt, body in BODIES:
-                started = time.perf_counter()
                 response = client.post(f"/models/{model}/predict", content=body,
                                        headers={"content-type": f"image/{fmt.lower()}"})
-                latencies.append(time.perf_counter() - started)
                 assert response.status_code == 400 and len(body) < 200, (name, len(body), response.text)
                 assert "aspect ratio" in response.json()["detail"]
     meanwhile.join(30)
     rise = watch.rise()
-    assert statistics.median(latencies) < 0.1 and max(latencies) < 1.0, latencies
-    assert rise < 100 * 2**20, f"RSS rose by {rise >> 20} MB"
+    assert rise < 100 * 2**20, f"RSS rose by {rise >> 20} MB"  # refused from the header: no pixel was decoded
     assert normal == [200]
     assert server.process.poll() is None
 
@@ -112,10 +106,8 @@ def test_elongated_images_are_refused_at_once_with_bounded_memory(server: Router
 def test_the_same_shape_as_a_v2_pixel_tensor_is_refused(server: RouterProcess) -> None:
     request = {"inputs": [{"name": "IMAGE", "shape": [1, 1, 1000, 3], "datatype": "UINT8", "data": [7] * 3000}]}
     for model in ("resnet18", "yolov8n"):
-        started = time.perf_counter()
-        response = httpx.post(f"{server.url}/v2/models/{model}/infer", json=request, timeout=10)
+        response = httpx.post(f"{server.url}/v2/models/{model}/infer", json=request, timeout=HANG_S)
         assert response.status_code == 400 and "aspect ratio" in response.json()["error"], response.text
-        assert time.perf_counter() - started < 1.0
     assert server.process.poll() is None
 
 

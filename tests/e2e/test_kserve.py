@@ -108,7 +108,8 @@ def test_health_and_metadata(fleet_server: RouterProcess) -> None:
     assert triton.is_server_live() and triton.is_server_ready()
     assert triton.is_model_ready("yolov8n") and triton.is_model_ready("resnet18", model_version="1")
     assert not triton.is_model_ready("no-such-model")
-    assert triton.get_server_metadata()["extensions"] == ["binary_tensor_data", "model_repository"]
+    assert triton.get_server_metadata()["extensions"] == ["binary_tensor_data", "model_repository", "system_shared_memory",
+                                                          "statistics"]
     metadata = triton.get_model_metadata("resnet18")
     assert metadata["name"] == "resnet18" and metadata["versions"] == ["1"] and metadata["platform"] == "model-router/resnet"
     assert metadata["inputs"] == [{"name": "IMAGE", "datatype": "BYTES", "shape": [-1]}]

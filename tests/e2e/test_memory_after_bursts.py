@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import RouterProcess, serve
+from tests.conftest import HANG_S, RouterProcess, serve
 
 pytestmark = [pytest.mark.e2e, pytest.mark.load]
 
@@ -42,19 +42,22 @@ def burst(server: RouterProcess, count: int = 64) -> tuple[list[int], int]:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    with httpx.Client(base_url=server.url, timeout=120, limits=httpx.Limits(max_connections=count)) as client:
-        with ThreadPoolExecutor(count) as pool:
-            statuses = list(pool.map(lambda _: client.post("/models/echo/predict", content=BODY, headers={
-                "content-type": "application/octet-stream"}).status_code, range(count)))
+    with httpx.Client(base_url=server.url, timeout=120, limits=httpx.Limits(max_connections=count)) as client, \
+            ThreadPoolExecutor(count) as pool:
+        statuses = list(pool.map(lambda _: client.post("/models/echo/predict", content=BODY, headers={
+            "content-type": "application/octet-stream"}).status_code, range(count)))
     done.set()
     sampler.join()
     return statuses, peak
 
 
-def settled_rss(server: RouterProcess, seconds: float = 4.0) -> int:
-    """The resident size once the router has had time to trim (it checks every second)."""
-    time.sleep(seconds)
-    return server.rss()
+def settled_rss(server: RouterProcess, before: int) -> int:
+    """The resident size once it has come back within the bound of `before` (the router trims
+    every second), or after HANG_S if it never does."""
+    deadline = time.monotonic() + HANG_S
+    while (rss := server.rss()) - before >= SETTLED_GROWTH_BOUND and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return rss
 
 
 def measure(tmp_path: Path, trim: bool) -> dict[str, float]:
@@ -63,9 +66,9 @@ def measure(tmp_path: Path, trim: bool) -> dict[str, float]:
         httpx.post(server.url + "/models/echo/predict", content=b"warm", timeout=10)
         before = server.rss()
         statuses, peak = burst(server)
-        after = settled_rss(server)
+        after = settled_rss(server, before)
         statuses_again, peak_again = burst(server)
-        after_again = settled_rss(server)
+        after_again = settled_rss(server, before)
     assert set(statuses) | set(statuses_again) <= {200, 503, 504}, (statuses, statuses_again)
     return {"before_mb": before / MB, "peak_mb": peak / MB, "after_mb": after / MB,
             "second_peak_mb": peak_again / MB, "after_second_mb": after_again / MB, "ok": statuses.count(200)}

@@ -6,14 +6,16 @@ import asyncio
 import json
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import torch
 from router_testkit.toy import IN_FEATURES, build_model
 
-from tests.conftest import metric_value, read_records, serve
+from tests.conftest import RouterProcess, metric_value, read_records, serve
 
 pytestmark = pytest.mark.e2e
 
@@ -73,29 +75,50 @@ models:
 """
 
 
-def test_deadline_answers_504_on_time_and_never_runs_the_input(tmp_path: Path, record_file: Path) -> None:
-    with serve(tmp_path, SLOW_FLEET.format(fixed_ms=800, record=record_file)) as server:
+def running(server: RouterProcess, model: str = "slow") -> Awaitable[dict[str, Any]]:
+    """Until the model's one instance runs a batch (from a coroutine)."""
+    return asyncio.to_thread(server.until_model, model, lambda m: m["instances"][0]["busy"])
 
-        async def run() -> tuple[httpx.Response, httpx.Response, float]:
+
+def accepted(count: int) -> Callable[[dict[str, Any]], bool]:
+    """A model state where `count` requests are in: queued, running (batches of one) or answered."""
+    return lambda m: m["queue"]["depth"] + sum(i["busy"] for i in m["instances"]) + sum(m["requests"].values()) >= count
+
+
+def batch_end(record: Path, ident: str) -> float:
+    """When the batch holding `ident` ended, on the server's monotonic clock (the machine's)."""
+    return float(next(row["end"] for row in read_records(record) if ident in row["ids"]))  # type: ignore[arg-type, operator]
+
+
+def test_deadline_answers_504_on_time_and_never_runs_the_input(tmp_path: Path, record_file: Path) -> None:
+    """Liveness and the 504 arrive while the batch before them still runs (CLOCK_MONOTONIC is one
+    clock for the server and this process), and the late input is never run."""
+    with serve(tmp_path, SLOW_FLEET.format(fixed_ms=1500, record=record_file)) as server:
+
+        async def run() -> tuple[httpx.Response, httpx.Response, httpx.Response, float, float, float]:
             async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
                 first = asyncio.create_task(post_json(client, "/models/slow/predict", {"id": "running"}))
-                await asyncio.sleep(0.2)  # the first batch is now running
-                live_started = time.monotonic()
+                await running(server)
                 live = await client.get("/health/live")
-                assert live.status_code == 200 and time.monotonic() - live_started < 0.1  # not blocked by the batch
-                started = time.monotonic()
+                live_at = time.monotonic()
+                sent = time.monotonic()
                 late = await post_json(client, "/models/slow/predict", {"id": "late"}, **{"X-Timeout-Ms": "200"})
-                elapsed = time.monotonic() - started
-                return await first, late, elapsed
+                late_at = time.monotonic()
+                answered = await first
+                # First in, first out: had "late" stayed in the queue, it would run before "after".
+                after = await post_json(client, "/models/slow/predict", {"id": "after"})
+                assert live.status_code == 200
+                return answered, late, after, live_at, late_at - sent, late_at
 
-        first, late, elapsed = asyncio.run(run())
-        time.sleep(0.3)  # long enough for the queue to have run it, had it not been withdrawn
-    assert first.status_code == 200
+        first, late, after, live_at, waited, late_at = asyncio.run(run())
+    assert first.status_code == 200 and after.status_code == 200
     assert late.status_code == 504, late.text
     assert "not run" in late.json()["detail"]
-    assert elapsed < 0.250, f"504 came after {elapsed * 1000:.0f} ms"
+    assert live_at < batch_end(record_file, "running"), "liveness waited for the batch"
+    assert late_at < batch_end(record_file, "running"), "the 504 waited for the batch before it"
+    assert waited >= 0.2  # not before its deadline either
     executed = [i for row in read_records(record_file) for i in row["ids"]]  # type: ignore[union-attr]
-    assert executed == ["running"]
+    assert executed == ["running", "after"]
 
 
 def test_timeout_header_cannot_lengthen_the_deadline(tmp_path: Path, record_file: Path) -> None:
@@ -106,7 +129,7 @@ def test_timeout_header_cannot_lengthen_the_deadline(tmp_path: Path, record_file
         async def run() -> httpx.Response:
             async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
                 first = asyncio.create_task(post_json(client, "/models/slow/predict", {"id": "a"}))
-                await asyncio.sleep(0.1)
+                await running(server)
                 late = await post_json(client, "/models/slow/predict", {"id": "b"}, **{"X-Timeout-Ms": "60000"})
                 await first
                 return late
@@ -202,25 +225,28 @@ def test_a_failing_model_does_not_stop_another(tmp_path: Path) -> None:
 
 
 def test_client_that_went_away_is_dropped_before_its_batch(tmp_path: Path, record_file: Path) -> None:
-    with serve(tmp_path, SLOW_FLEET.format(fixed_ms=600, record=record_file)) as server:
+    with serve(tmp_path, SLOW_FLEET.format(fixed_ms=1500, record=record_file)) as server:
 
-        async def run() -> httpx.Response:
+        async def run() -> tuple[httpx.Response, httpx.Response]:
             async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
                 first = asyncio.create_task(post_json(client, "/models/slow/predict", {"id": "kept"}))
-                await asyncio.sleep(0.15)
+                await running(server)
                 body = b'{"id": "gone"}'
                 host, port = server.url.removeprefix("http://").split(":")
                 with socket.create_connection((host, int(port))) as sock:
                     sock.sendall(b"POST /models/slow/predict HTTP/1.1\r\nHost: x\r\n"
                                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-                    await asyncio.sleep(0.15)
-                return await first
+                    await asyncio.to_thread(server.until_model, "slow", lambda m: m["queue"]["depth"] == 1)
+                await asyncio.to_thread(server.until_model, "slow", lambda m: m["queue"]["depth"] == 0)  # withdrawn
+                kept = await first
+                # First in, first out: had "gone" stayed in the queue, it would run before "after".
+                return kept, await post_json(client, "/models/slow/predict", {"id": "after"})
 
-        assert asyncio.run(run()).status_code == 200
-        time.sleep(0.9)
+        kept, after = asyncio.run(run())
         metrics = httpx.get(server.url + "/metrics").text
+    assert kept.status_code == 200 and after.status_code == 200
     executed = [i for row in read_records(record_file) for i in row["ids"]]  # type: ignore[union-attr]
-    assert executed == ["kept"]
+    assert executed == ["kept", "after"]
     assert metric_value(metrics, "model_router_requests_total", model="slow", outcome="cancelled") == 1
 
 
@@ -253,9 +279,10 @@ def test_sigterm_drains_queued_and_running_requests(tmp_path: Path, record_file:
             async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
                 queued = [asyncio.create_task(post_json(client, "/models/slow/predict", {"id": f"q{i}"}))
                           for i in range(5)]
-                await asyncio.sleep(0.2)
+                await asyncio.to_thread(server.until_model, "slow", accepted(5))
                 server.process.send_signal(15)
-                await asyncio.sleep(0.1)
+                while (await client.get("/health/ready")).status_code == 200:  # until the drain has begun
+                    await asyncio.sleep(0.01)
                 refused = await post_json(client, "/models/slow/predict", {"id": "after"})
                 return list(await asyncio.gather(*queued)), refused
 

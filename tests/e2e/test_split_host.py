@@ -22,7 +22,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import RouterProcess, metric_value, serve
+from tests.conftest import RouterProcess, metric_value, read_records, serve
 
 pytestmark = pytest.mark.e2e
 
@@ -254,3 +254,103 @@ def test_an_engine_that_keeps_dying_stops_the_server_with_status_1(tmp_path: Pat
         os.kill(roles(server)["engine"], signal.SIGKILL)
         assert server.process.wait(60) == 1
     assert "the engine died 5 times" in server.log()
+
+
+def test_hooks_that_need_the_model_run_in_the_engine(tmp_path: Path) -> None:
+    text = ("models:\n  unsplit: {plugin: unsplit, batch: {max_size: 4}}\n"
+            "  engine-hooks: {plugin: engine-hooks, batch: {max_size: 4}}\n")
+    with serve(tmp_path, text, env=SPLIT) as server:
+        engine = roles(server)["engine"]
+        answers = {}
+        for model in ("unsplit", "engine-hooks"):
+            for i in range(6):  # a new connection each: both fronts
+                with httpx.Client(base_url=server.url, timeout=20) as client:
+                    reply = client.post(f"/models/{model}/predict", json={"id": f"x{i}"})
+                assert reply.status_code == 200, reply.text
+                answers.setdefault(model, []).append(reply.json()["result"])
+        switched = [r for r in server.log_records() if "its hooks run in the engine from now on" in str(r["message"])]
+    for model, results in answers.items():
+        assert [r["id"] for r in results] == [f"x{i}-served" for i in range(6)]
+        assert {r["postprocessed_by"] for r in results} == {engine}, (model, results)  # never a front
+    assert {r["role"] for r in switched} <= {"front 1", "front 2"} and 1 <= len(switched) <= 2
+    assert all(r["model"] == "unsplit" for r in switched)  # the other one said so itself: no failure first
+
+
+def test_v2_shared_memory_registered_through_one_front_is_read_through_every_front(tmp_path: Path) -> None:
+    """A client registers a region on one connection, then sends requests that read it on fresh
+    connections (the kernel spreads them over both fronts), over HTTP and gRPC; unregistered
+    through one front, it is gone for both."""
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+    import tritonclient.utils.shared_memory as shm
+    from tritonclient.utils import InferenceServerException, serialize_byte_tensor
+
+    name, key = "split-region", f"/model-router-split-{os.getpid()}"
+    handle = shm.create_shared_memory_region(name, key, 64)
+    try:
+        document = serialize_byte_tensor(np.array([b'{"id": "from-shm"}'], dtype=np.object_)).item()
+        shm.set_shared_memory_region(handle, [np.array(document, dtype=np.object_)])
+        with serve(tmp_path, fleet(), env={**SPLIT, "MODEL_ROUTER_LOG_FORMAT": "json"}) as server:
+            address = server.url.removeprefix("http://")
+            httpclient.InferenceServerClient(address).register_system_shared_memory(name, key, len(document))
+
+            def infer(protocol: str, request_id: str) -> list[str]:
+                tc = grpcclient if protocol == "grpc" else httpclient
+                triton = tc.InferenceServerClient(server.grpc_address if protocol == "grpc" else address)  # a new connection
+                tensor = tc.InferInput("JSON", [1], "BYTES")
+                tensor.set_shared_memory(name, len(document))
+                result = triton.infer("m", [tensor], request_id=request_id)
+                return [json.loads(element)["id"] for element in result.as_numpy("OUTPUT")]
+
+            for i in range(12):
+                assert infer("http" if i % 3 else "grpc", f"shm-{i}") == ["from-shm"]
+            time.sleep(0.5)  # the access lines written
+            served_by = {r["role"] for r in server.log_records()
+                         if r["message"] == "request" and "infer" in str(r.get("path", "")).lower()}
+            assert served_by == {"front 1", "front 2"}, served_by
+            httpclient.InferenceServerClient(address).unregister_system_shared_memory(name)
+            for i in range(6):
+                with pytest.raises(InferenceServerException) as gone:
+                    infer("http" if i % 2 else "grpc", f"gone-{i}")
+                assert f"no shared memory region named '{name}' is registered" in gone.value.message()
+    finally:
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_a_trace_joins_the_front_and_the_engine(tmp_path: Path) -> None:
+    """Tracing on a split host: each request's server span and phases come from its front, the
+    batch span from the engine, linked both ways, with the same checks as in one process."""
+    from tests.e2e.test_tracing import FLEET as TRACED
+    from tests.e2e.test_tracing import Sent, check_batches, check_request_trace, send, server_span
+    from tests.otlp_receiver import receiver
+
+    record = tmp_path / "batches.jsonl"
+    with receiver() as otlp:
+        env = {**SPLIT, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "OTEL_BSP_SCHEDULE_DELAY": "50",
+               "MODEL_ROUTER_LOG_FORMAT": "json"}
+        with serve(tmp_path, TRACED.format(record=record), env=env) as server:
+            ids = [f"split-{i}" for i in range(6)]
+            sent: dict[str, Sent] = {}
+            together = threading.Barrier(len(ids))
+
+            def one(request_id: str) -> None:
+                together.wait(10)
+                sent[request_id] = send(server, "batched", request_id)  # httpx: a new connection each
+
+            threads = [threading.Thread(target=one, args=(rid,)) for rid in ids]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+            assert sorted(sent) == ids and all(s.status == 200 for s in sent.values()), sent
+            served_by = {line["role"] for rid in ids for line in server.access_lines(rid)}
+        batches = [b for b in read_records(record) if set(b["ids"]) & set(ids)]  # type: ignore[arg-type]
+        spans = otlp.wait_for(lambda got: got if all(server_span(got, r) for r in ids)
+                              and len([s for s in got if s.name == "batch"]) >= len(batches) else None)
+    by_id = {rid: server_span(spans, rid) for rid in ids}
+    for rid, span in by_id.items():
+        assert span is not None
+        check_request_trace(spans, span, sent[rid], next(b for b in batches if rid in b["ids"]))  # type: ignore[operator]
+    check_batches(spans, batches, by_id)  # type: ignore[arg-type]
+    assert served_by <= {"front 1", "front 2"}  # which fronts took them is the kernel's; the checks hold for each

@@ -39,7 +39,7 @@ def test_a_tensor_crosses_as_a_region_and_a_small_skeleton() -> None:
 
 
 def test_small_arrays_and_plain_values_travel_inside_the_message() -> None:
-    sender, receiver = pair()
+    sender, _ = pair()
     value: dict[str, Any] = {"id": "x", "boxes": torch.zeros((5, 6)), "scores": np.arange(10), "half": torch.ones(3, dtype=torch.bfloat16)}
     packed, packing = Packer(sender).pack(value)
     assert packed.regions == () and packing.offsets == []

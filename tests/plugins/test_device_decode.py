@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -137,7 +138,9 @@ def test_letterbox_on_the_device_matches_the_host_within_one_level(photos: list[
 
 
 @pytest.mark.gpu
-def test_nvjpeg_classify_matches_torchvision_with_the_same_top5(demo_store: Path, photos: list[Payload]) -> None:
+def test_nvjpeg_classify_matches_torchvision_with_the_same_top5(
+    demo_store: Path, photos: list[Payload], record_property: Any
+) -> None:
     import torchvision
 
     from tests.plugins.test_parity import same_top5
@@ -149,6 +152,8 @@ def test_nvjpeg_classify_matches_torchvision_with_the_same_top5(demo_store: Path
     expected = torch.stack([transforms(torch.from_numpy(reference_rgb(p).copy()).permute(2, 0, 1)) for p in photos])
     got = plugin.processing.network_input([plugin.preprocess(p) for p in photos], torch.device("cuda:0")).cpu()
     error = (got - expected).abs()
+    record_property("figure", f"nvJPEG vs torchvision's host decode: mean {float(error.mean()) / LEVEL:.2f}, "
+                              f"max {float(error.max()) / LEVEL:.2f} levels on {len(photos)} photos")
     assert float(error.mean()) < LEVEL and float(error.max()) < 8 * LEVEL  # nvJPEG's IDCT is not libjpeg's
     with torch.inference_mode():
         network = plugin.module.cpu()

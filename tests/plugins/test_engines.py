@@ -76,7 +76,7 @@ class StandInRunner:
 
 @pytest.fixture
 def stand_in_tensorrt(monkeypatch: pytest.MonkeyPatch, exports: dict[str, OnnxExport]) -> type[StandInRunner]:
-    import model_router_tensorrt.build as build
+    from model_router_tensorrt import build
 
     monkeypatch.setitem(sys.modules, "tensorrt", SimpleNamespace(__version__="10.99.0"))
     monkeypatch.setattr(build, "_build", lambda *args: b"serialised engine")

@@ -8,7 +8,7 @@ own `predict` (YOLO); the plugins decode with OpenCV and resize in uint8.
 Measured (and held here): ResNet `decode: exact`: at most one uint8 level apart (0.0175 after
 normalisation), mean 0.002, the same top-5 on every image (the untrained demo network gives near
 ties, scores 0.004 apart: such classes may trade places, nothing else may); YOLO `decode: exact`: every box within
-1 px, same classes. `decode: fast` is looser; its figures are the README's.
+1 px, same classes. `decode: fast` is looser; its figures are in docs/host-pipeline.md.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from tests.plugins.test_yolo import assert_same_detections
 EXIF_ORIENTATION = 0x0112
 LEVEL = 1 / 255 / min(0.229, 0.224, 0.225)  # one uint8 level after normalisation
 EXACT_MAX, EXACT_MEAN = LEVEL + 1e-5, 0.2 * LEVEL
-FAST_MAX, FAST_MEAN = 0.7, 0.02  # decode: fast measured 0.61 and 0.014 on these images (README: "host pipeline")
+FAST_MAX, FAST_MEAN = 0.7, 0.02  # decode: fast measured 0.61 and 0.014 on these images (docs/host-pipeline.md, "Parity")
 YOLO_CONF = 0.25
 TIE = 0.01  # reference probabilities closer than this may trade places in the top-5
 

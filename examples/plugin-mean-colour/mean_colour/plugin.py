@@ -75,7 +75,7 @@ class MeanColourPlugin(ModelPlugin[MeanColourOptions]):
     def postprocess(self, output: np.ndarray, item: Sampled) -> dict[str, Any]:
         """On a CPU pool thread: plain JSON types only."""
         rgb = [round(float(value), self.options.decimals) for value in output]
-        hex_code = "#" + "".join(f"{int(round(float(value))):02x}" for value in output)
+        hex_code = "#" + "".join(f"{round(float(value)):02x}" for value in output)
         return {"rgb": rgb, "hex": hex_code, "image": {"width": item.width, "height": item.height}}
 
     def describe_input(self, payload: Payload, item: Sampled) -> dict[str, Any]:

@@ -69,7 +69,7 @@ class OnnxReference:
         ort = _onnxruntime()
         try:
             self._session: Any = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        except Exception as exc:  # onnxruntime raises its own Fail, InvalidProtobuf, NoSuchFile ...
+        except Exception as exc:  # noqa: BLE001  # onnxruntime raises its own Fail, InvalidProtobuf, NoSuchFile ...
             raise ExportError(f"onnxruntime cannot open {str(path)!r}: {type(exc).__name__}: {exc}") from None
         try:
             props = self._session.get_modelmeta().custom_metadata_map

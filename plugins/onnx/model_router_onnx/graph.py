@@ -26,7 +26,7 @@ def read_graph(path: Path) -> GraphFacts:
 
     try:
         proto = onnx.load(str(path))
-    except Exception as exc:  # onnx raises DecodeError, OSError, ... for a file that is not a model
+    except Exception as exc:  # noqa: BLE001  # onnx raises DecodeError, OSError, ... for a file that is not a model
         raise ValueError(f"{str(path)!r} is not a readable ONNX model: {type(exc).__name__}: {exc}") from None
     props = {prop.key: prop.value for prop in proto.metadata_props}
     metadata = parse_metadata(props.get(METADATA_KEY), str(path))
@@ -46,7 +46,7 @@ def _activation_bytes(onnx: Any, proto: Any) -> int:
     what one more item in a batch costs, like `router.sdk.torch_memory.activation_bytes` for torch."""
     try:
         inferred = onnx.shape_inference.infer_shapes(proto)
-    except Exception:  # a graph shape inference cannot follow: no estimate rather than no model
+    except Exception:  # noqa: BLE001  # a graph shape inference cannot follow: no estimate rather than no model
         return 0
     total = 0
     for value in [*inferred.graph.value_info, *inferred.graph.output]:

@@ -31,7 +31,7 @@ from router.sdk import (
 )
 from router.sdk.device_images import EncodedJpeg, decode_on_device, encoded_jpeg
 
-__all__ = ["CROP", "MAX_RESIZED_BYTES", "ClassifyItem", "MEAN", "RESIZE", "STD", "ClassifyProcessing", "TopK", "resized_size"]
+__all__ = ["CROP", "MAX_RESIZED_BYTES", "MEAN", "RESIZE", "STD", "ClassifyItem", "ClassifyProcessing", "TopK", "resized_size"]
 
 # torchvision's ResNet*_Weights.IMAGENET1K_V1.transforms(): the tests hold us to it.
 RESIZE = 256
@@ -118,8 +118,8 @@ class ClassifyProcessing:
                 batch, size=(new_height, new_width), mode="bilinear", antialias=True, align_corners=False
             )
             image = batch[0] if batch.dtype == torch.uint8 else batch[0].round_().clamp_(0, 255).to(torch.uint8)
-        top = int(round((new_height - self.crop) / 2.0))  # torchvision's center_crop rounding
-        left = int(round((new_width - self.crop) / 2.0))
+        top = round((new_height - self.crop) / 2.0)  # torchvision's center_crop rounding
+        left = round((new_width - self.crop) / 2.0)
         return image[:, top : top + self.crop, left : left + self.crop]
 
     def normalise(self, image: torch.Tensor, *, bgr: bool = False) -> torch.Tensor:

@@ -21,7 +21,7 @@ def tensorrt_version() -> str | None:
     """The installed TensorRT's version, or None when the package is missing or broken."""
     try:
         import tensorrt
-    except Exception:  # ImportError, or a wheel whose native libraries do not load
+    except Exception:  # noqa: BLE001  # ImportError, or a wheel whose native libraries do not load
         return None
     return str(tensorrt.__version__)
 

@@ -1,6 +1,8 @@
 """Open Inference Protocol (KServe V2 REST, Triton's HTTP API) on the router's queues, batching and budget.
 
-Handlers only decode, submit, await and encode; the V2 codec is `router.http.kserve.codec`. Errors on
+Handlers only decode, submit, await and encode; the wire format is `router.http.kserve.codec`, and
+what HTTP and gRPC share (tensors, payloads, repository answers, submission) is
+`router.inference_protocol`. The shared-memory extension's routes are in `shared_memory_routes`. Errors on
 these routes answer in the V2 shape `{"error": "..."}` through this router's own exception
 handler (`encode_error` holds the mapping); the native routes keep `{"detail": ...}`.
 """
@@ -9,56 +11,40 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+import time
 import zlib
-from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any, Final
 
 from litestar import MediaType, Request, Response, Router, get, post
+from litestar.params import FromPath
 
-from router import __version__
-from router.errors import InputError, ModelNotFound, PayloadTooLarge, RouterError, UnsupportedMediaType, brief
+from router.errors import InputError, PayloadTooLarge, UnsupportedMediaType, brief
 from router.http.auth import Access
 from router.http.disconnect import run_unless_disconnected
 from router.http.kserve.bounded_json import loads_bounded
-from router.http.kserve.codec import (
-    HEADER_LENGTH,
-    MODEL_VERSION,
-    InferRequest,
-    ItemFailed,
-    RequestedOutput,
-    decode_request,
-    encode_error,
-    encode_response,
-    router_priority,
-    select_outputs,
-    signature,
-    to_payloads,
-)
-from router.http.request_state import received_at, runtime_of
-from router.logs import request_id_var
-from router.sdk.plugin import Payload
+from router.http.kserve.codec import HEADER_LENGTH, decode_request, encode_error, encode_response
+from router.http.kserve.shared_memory_routes import SHARED_MEMORY_ROUTES, client_regions
+from router.http.request_state import note_error, received_at, request_phases, request_trace, runtime_of
+from router.inference_protocol import repository
+from router.inference_protocol.request import InferRequest, router_priority
+from router.inference_protocol.shared_memory import ClientRegions
+from router.inference_protocol.submission import Ran, run_request
 from router.serving.facade import ServingFacade
-from router.serving.runtime import Answer
 from router.serving.snapshots import ModelInfo
+from router.tracing.api import Phases
 
 __all__ = ["v2_error_response", "v2_router"]
 
 log = logging.getLogger("router.http.kserve.routes")
-EXTENSIONS: Final = ["binary_tensor_data", "model_repository"]
 DEFAULT_BODY_LIMIT: Final = 20 * 1024 * 1024
 DEFAULT_MAX_ITEMS: Final = 1024
-#: Triton's model states, from the router's.
-_TRITON_STATES: Final = {
-    "ready": "READY", "degraded": "READY", "pending": "LOADING", "loading": "LOADING", "draining": "UNLOADING",
-    "unloading": "UNLOADING", "unloaded": "UNAVAILABLE", "failed": "UNAVAILABLE",
-}
 
 
-def _model(request: Request[Any, Any, Any], name: str, version: str | None) -> ModelInfo:
+def _model(request: Request[Any, Any, Any], name: str) -> ModelInfo:
+    """The model, 404 for an unknown name or a version (the path's `/versions/{version}`) it does not have."""
     model = runtime_of(request).model(name)
-    if version is not None and version != MODEL_VERSION:
-        raise ModelNotFound(f"model {name!r} has no version {brief(version, 40)}; versions: {MODEL_VERSION}")
+    repository.check_version(name, request.path_params.get("version"))
     return model
 
 
@@ -72,7 +58,7 @@ def _status(ok: bool) -> Response[bytes]:
 
 @get("/", summary="V2 server metadata")
 async def server_metadata() -> dict[str, Any]:
-    return {"name": "model-router", "version": __version__, "extensions": EXTENSIONS}
+    return repository.server_metadata()
 
 
 @get("/health/live", summary="V2 liveness: 200 while the process is up", opt={"access": Access.HEALTH})
@@ -87,19 +73,13 @@ async def server_ready(request: Request[Any, Any, Any]) -> Response[bytes]:
 
 
 @get(["/models/{name:str}", "/models/{name:str}/versions/{version:str}"], summary="V2 model metadata")
-async def model_metadata(name: str, request: Request[Any, Any, Any], version: str | None = None) -> dict[str, Any]:
-    model = _model(request, name, version)
-    return {
-        "name": name,
-        "versions": [MODEL_VERSION],
-        "platform": f"model-router/{model.plugin['name']}",
-        **signature(model.accepts).metadata(),
-    }
+async def model_metadata(name: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, Any]:
+    return repository.model_metadata(_model(request, name))
 
 
 @get(["/models/{name:str}/ready", "/models/{name:str}/versions/{version:str}/ready"], summary="V2 model readiness")
-async def model_ready(name: str, request: Request[Any, Any, Any], version: str | None = None) -> Response[bytes]:
-    return _status(_model(request, name, version).serving)
+async def model_ready(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[bytes]:
+    return _status(_model(request, name).serving)
 
 
 # -- inference ------------------------------------------------------------------------------------
@@ -107,67 +87,56 @@ async def model_ready(name: str, request: Request[Any, Any, Any], version: str |
 
 @post(["/models/{name:str}/infer", "/models/{name:str}/versions/{version:str}/infer"], status_code=200,
       summary="V2 inference: each item of the batch goes through the model's queue and batcher")
-async def infer(name: str, request: Request[Any, Any, Any], version: str | None = None) -> Response[bytes]:
-    """JSON tensors or Triton's binary tensor data extension. Parameters: `timeout` (us), `priority` (1 highest).
+async def infer(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[bytes]:
+    """JSON tensors, Triton's binary tensor data extension, or system shared memory. Parameters: `timeout` (us),
+    `priority` (1 highest).
     A request is admitted or refused as a whole: its item count against the model's queue before any item is queued."""
     runtime = runtime_of(request)
-    model = _model(request, name, version)  # 404 before reading the body
+    trace = request_phases(request.scope, "receive")
+    model = _model(request, name)  # 404 before reading the body
     runtime.precheck(name, received_at=received_at(request))  # draining, not serving, full: before the body
-    body = _decompress(await request.body(), request.headers.get("content-encoding"), _body_limit(request))
-    work = _decode_and_run(request, runtime, model, body)  # a client gone mid-decode stops it before submitting
-    decoded, outputs, answers = await run_unless_disconnected(request.receive, work)
-    content, header_length = encode_response(name, decoded, outputs, [answer.output for answer in answers])
+    limit = _body_limit(request)
+    body = _decompress(await request.body(), request.headers.get("content-encoding"), limit)
+    regions = client_regions(request, limit)
+    work = _decode_and_run(request, runtime, model, body, regions, trace)  # a client gone mid-decode stops it first
+    decoded, ran = await run_unless_disconnected(request.receive, work)
+    if trace is not None:
+        trace.enter("respond")  # from the runtime's answer
+    content, header_length = encode_response(name, decoded, ran.outputs, [answer.output for answer in ran.answers],
+                                             regions)
     if header_length is None:
         return Response(content, media_type=MediaType.JSON)
     return Response(content, media_type="application/octet-stream", headers={HEADER_LENGTH: str(header_length)})
 
 
 async def _decode_and_run(
-    request: Request[Any, Any, Any], runtime: ServingFacade, model: ModelInfo, body: bytes
-) -> tuple[InferRequest, Sequence[RequestedOutput], list[Answer]]:
-    """Decode (off the event loop), check the whole request against the queue, then submit every item."""
+    request: Request[Any, Any, Any], runtime: ServingFacade, model: ModelInfo, body: bytes, regions: ClientRegions,
+    trace: Phases | None,
+) -> tuple[InferRequest, Ran]:
+    """Decode (off the event loop), then run the request through the model's queue as a whole."""
+    if trace is not None:
+        trace.enter("decode", time.monotonic())
     max_items = min(_max_items(request), model.queue_capacity)
-    decoded = await asyncio.to_thread(decode_request, body, request.headers.get(HEADER_LENGTH), max_items=max_items)
+    decoded = await asyncio.to_thread(decode_request, body, request.headers.get(HEADER_LENGTH), max_items=max_items,
+                                      regions=regions)
     priority = router_priority(decoded.priority, model.priority_levels)
-    items = decoded.inputs[0].shape[0]
-    runtime.precheck(model.name, priority=priority, timeout_ms=decoded.timeout_ms, received_at=received_at(request),
-                     items=items)
-    sig = signature(model.accepts)
-    outputs = select_outputs(decoded, sig)
-    payloads = await asyncio.to_thread(to_payloads, decoded, model.name, sig)
-    request.scope["state"]["access"] = {"model": model.name, "input_bytes": len(body), "items": len(payloads)}
-    answers = await _submit_all(runtime, model.name, payloads, priority, decoded.timeout_ms, received_at(request))
-    return decoded, outputs, answers
+    request.scope["state"]["access"] = {"model": model.name, "input_bytes": len(body) + regions.bytes_read,
+                                        "items": decoded.items}
+    traces = None if trace is None else _item_traces(request, trace, decoded.items)
+    ran = await run_request(runtime, model, decoded, priority=priority, timeout_ms=decoded.timeout_ms,
+                            received_at=received_at(request), traces=traces)
+    return decoded, ran
 
 
-async def _submit_all(
-    runtime: ServingFacade, model: str, payloads: Sequence[Payload], priority: int | None, timeout_ms: float | None,
-    arrived: float | None,
-) -> list[Answer]:
-    """Submit every item at once so they share the queue and the batcher; answers in item order.
-
-    The first failure (in item order) answers the request, and the remaining items are cancelled."""
-    base = request_id_var.get() or uuid.uuid4().hex
-    ids = [base] if len(payloads) == 1 else [f"{base}.{i}" for i in range(len(payloads))]
-    tasks = [
-        asyncio.ensure_future(runtime.submit(model, p, priority=priority, timeout_ms=timeout_ms, request_id=rid,
-                                            received_at=arrived))
-        for p, rid in zip(payloads, ids, strict=True)
-    ]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((i for i, t in enumerate(tasks) if t.done() and not t.cancelled() and t.exception()), None)
-    finally:
-        for task in tasks:
-            task.cancel()  # a no-op for finished ones
-        await asyncio.gather(*tasks, return_exceptions=True)
-    if failed is not None:
-        error = tasks[failed].exception()
-        assert error is not None
-        if len(tasks) > 1 and isinstance(error, RouterError):
-            raise ItemFailed(failed, len(tasks), error) from error  # not by editing it: a batch shares its error
-        raise error
-    return [task.result() for task in tasks]
+def _item_traces(request: Request[Any, Any, Any], trace: Phases, items: int) -> list[Phases | None]:
+    """The phases of each item's path: the request's own path for one item; for many, each item has
+    its own under the request's span (they run side by side), while the request's is in "items"."""
+    if items == 1:
+        return [trace]
+    trace.enter("items", time.monotonic())
+    span = request_trace(request.scope)
+    assert span is not None
+    return [span.phases(item=index) for index in range(items)]
 
 
 def _body_limit(request: Request[Any, Any, Any]) -> int:
@@ -197,6 +166,8 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
         raise PayloadTooLarge(f"the {name} request body inflates to more than {limit} bytes")
     if not inflater.eof:
         raise InputError(f"the {name} request body is truncated")
+    if inflater.unused_data:
+        raise InputError(f"the {name} request body has {len(inflater.unused_data)} bytes after the end of its stream")
     return data
 
 
@@ -205,14 +176,8 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
 
 @post("/repository/index", status_code=200, summary="V2 repository index: every model and its state")
 async def repository_index(request: Request[Any, Any, Any]) -> list[dict[str, str]]:
-    ready_only = _ready_flag(await request.body())
-    entries = []
-    for model in runtime_of(request).models():
-        state = _TRITON_STATES[model.state]
-        if ready_only and state != "READY":
-            continue
-        entries.append({"name": model.name, "version": MODEL_VERSION, "state": state, "reason": model.error or ""})
-    return entries
+    entries = repository.index_entries(runtime_of(request).models(), ready_only=_ready_flag(await request.body()))
+    return [asdict(entry) for entry in entries]
 
 
 def _ready_flag(body: bytes) -> bool:
@@ -227,16 +192,40 @@ def _ready_flag(body: bytes) -> bool:
 
 @post("/repository/models/{name:str}/load", status_code=200, summary="V2 model load: load now, keep resident",
       opt={"access": Access.ADMIN})
-async def repository_load(name: str, request: Request[Any, Any, Any]) -> Response[bytes]:
+async def repository_load(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[bytes]:
+    """Triton's load; its `parameters` (`config`, `file:...`: a configuration to load with) are not
+    supported, and a request that sends them is refused rather than loaded without them."""
+    runtime_of(request).model(name)  # 404 first
+    _no_load_parameters(name, await request.body())
     await runtime_of(request).load_model(name)
     return Response(b"", status_code=200, media_type=MediaType.TEXT)
 
 
 @post("/repository/models/{name:str}/unload", status_code=200, summary="V2 model unload: unload now, keep out",
       opt={"access": Access.ADMIN})
-async def repository_unload(name: str, request: Request[Any, Any, Any]) -> Response[bytes]:
+async def repository_unload(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[bytes]:
     await runtime_of(request).unload_model(name)
     return Response(b"", status_code=200, media_type=MediaType.TEXT)
+
+
+def _no_load_parameters(name: str, body: bytes) -> None:
+    if not body.strip():
+        return
+    parsed = loads_bounded(body, "the load request", expected='JSON like {"parameters": {}}')
+    parameters = parsed.get("parameters") if isinstance(parsed, dict) else None
+    if parameters:
+        keys = ", ".join(brief(key, 40) for key in list(parameters)[:4]) if isinstance(parameters, dict) else brief(parameters)
+        raise InputError(f"load parameters are not supported (got {keys}); change a model's configuration with "
+                         f"PUT /models/{name}, its fleet-file section")
+
+
+@get(["/models/stats", "/models/{name:str}/stats", "/models/{name:str}/versions/{version:str}/stats"],
+     summary="V2 model statistics: items answered and failed, batches run (durations are not measured)")
+async def model_statistics(request: Request[Any, Any, Any]) -> dict[str, Any]:
+    runtime = runtime_of(request)
+    name = request.path_params.get("name")
+    models = runtime.models() if name is None else [_model(request, name)]
+    return {"model_stats": [repository.model_statistics(model) for model in models]}
 
 
 # -- errors and the router ------------------------------------------------------------------------
@@ -244,6 +233,7 @@ async def repository_unload(name: str, request: Request[Any, Any, Any]) -> Respo
 
 def v2_error_response(request: Request[Any, Any, Any], exc: Exception) -> Response[dict[str, str]]:
     """Every error on a V2 route as `{"error": ...}`, with the status and headers `encode_error` maps."""
+    note_error(request.scope, exc)
     mapped = encode_error(exc)
     if mapped is None:
         log.error("unhandled error", exc_info=exc)
@@ -255,7 +245,7 @@ def v2_error_response(request: Request[Any, Any, Any], exc: Exception) -> Respon
 v2_router = Router(
     path="/v2",
     route_handlers=[server_metadata, server_live, server_ready, model_metadata, model_ready, infer,
-                    repository_index, repository_load, repository_unload],
+                    repository_index, repository_load, repository_unload, model_statistics, *SHARED_MEMORY_ROUTES],
     exception_handlers={Exception: v2_error_response},
     tags=["Open Inference Protocol (V2)"],
 )

@@ -9,6 +9,7 @@ from typing import Any
 
 from litestar import MediaType, Request, Response, Router, get
 from litestar.exceptions import NotFoundException
+from litestar.params import FromPath
 
 from router.http.auth import Access
 from router.http.ui.state import fleet_state
@@ -25,11 +26,11 @@ HEADERS = {
 
 
 @cache
-def _asset(name: str) -> bytes:
+def _asset(name: FromPath[str]) -> bytes:
     return (files("router.http.ui") / "static" / name).read_bytes()
 
 
-def _file(name: str) -> Response[bytes]:
+def _file(name: FromPath[str]) -> Response[bytes]:
     return Response(_asset(name), media_type=ASSETS[name], headers=HEADERS)
 
 
@@ -39,7 +40,7 @@ async def page() -> Response[bytes]:
 
 
 @get("/static/{name:str}", opt={"access": Access.OPEN}, include_in_schema=False)
-async def asset(name: str) -> Response[bytes]:
+async def asset(name: FromPath[str]) -> Response[bytes]:
     if name not in ASSETS or name == "index.html":
         raise NotFoundException(f"no page file named {name!r}")
     return _file(name)

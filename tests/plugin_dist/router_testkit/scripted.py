@@ -1,8 +1,11 @@
 """A plugin whose behaviour a test scripts: batch cost a + b*n, failures, hangs, out-of-memory.
 
 Input: JSON `{"id": "...", ...}`. Output: `{"id": ..., "batch": k}`. With `record` set, each
-executed batch appends a JSON line `{"model", "ids", "start", "end"}` (time.monotonic), so a
-test in another process can see exactly what ran and when.
+executed batch appends a JSON line `{"model", "ids", "start", "end"}` (`clock`), so a test in
+another process can see exactly what ran and when.
+
+Its costs are waited out with `sleep` and timed with `clock`: a test on a virtual clock puts its
+loop's there (tests/virtual_clock.py), and batches then cost virtual time, not real time.
 """
 
 from __future__ import annotations
@@ -10,12 +13,16 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.sdk import DeviceOutOfMemory, InputError, MemoryEstimate, ModelPlugin, Payload
+
+#: What loads and batches wait their cost with, and what their records' times read.
+sleep: Callable[[float], None] = time.sleep
+clock: Callable[[], float] = time.monotonic
 
 
 class ScriptedOptions(BaseModel):
@@ -32,6 +39,7 @@ class ScriptedOptions(BaseModel):
     fixed_bytes: int = 0
     load_error: str | None = None
     load_ms: float = Field(0.0, ge=0, description="time load() takes")
+    post_ms: float = Field(0.0, ge=0, description="time postprocess() takes; it fails once the model is unloaded")
     slow_first: int = Field(0, ge=0, description="this many first batches after warm-up cost slow_factor times more")
     slow_factor: float = Field(1.0, ge=1.0, description="a cold start under load: lazy set-up, cold caches, contention")
     record: str | None = None
@@ -42,9 +50,10 @@ class ScriptedPlugin(ModelPlugin[ScriptedOptions]):
     accepts = ("application/json", "application/octet-stream")
 
     def load(self, device: str) -> None:
-        time.sleep(self.options.load_ms / 1000.0)
+        sleep(self.options.load_ms / 1000.0)
         if self.options.load_error:
             raise RuntimeError(self.options.load_error)
+        self.loaded = True
         self.batches = 0
         self.served = 0  # batches other than warm-up
         self.executed: list[list[str]] = []
@@ -64,16 +73,16 @@ class ScriptedPlugin(ModelPlugin[ScriptedOptions]):
             raise DeviceOutOfMemory(f"scripted out-of-memory for a batch of {len(items)}")
         if options.oom_marker is not None and any(i.startswith(options.oom_marker) for i in items):
             raise DeviceOutOfMemory(f"scripted out-of-memory for a batch holding {options.oom_marker}*")
-        start = time.monotonic()
+        start = clock()
         cost_ms = options.fixed_ms + options.per_item_ms * len(items)
         if "warmup" not in items:
             with self._lock:
                 self.served += 1
                 cost_ms *= options.slow_factor if self.served <= options.slow_first else 1.0
-        time.sleep(cost_ms / 1000.0)
+        sleep(cost_ms / 1000.0)
         if options.hang_on is not None and options.hang_on in items:
-            time.sleep(options.hang_ms / 1000.0)
-        end = time.monotonic()
+            sleep(options.hang_ms / 1000.0)
+        end = clock()
         with self._lock:
             self.batches += 1
             batch = self.batches
@@ -82,6 +91,19 @@ class ScriptedPlugin(ModelPlugin[ScriptedOptions]):
         if options.fail == "always" or (options.fail == "marked" and any(i.startswith("fail") for i in items)):
             raise RuntimeError(f"scripted failure in batch {batch}")
         return [{"id": item, "batch": batch} for item in items]
+
+    def postprocess(self, output: Any, item: Any) -> Any:
+        time.sleep(self.options.post_ms / 1000.0)
+        if not getattr(self, "loaded", False):  # as a real model's would: its network is gone
+            raise RuntimeError("model is not loaded")
+        return output
+
+    def unload(self) -> None:
+        self.loaded = False
+
+    def adopt_front_state(self, state: Any) -> None:
+        """A split host's front process: this object was never loaded, but the engine's is."""
+        self.loaded = True
 
     def _record(self, items: Sequence[str], start: float, end: float) -> None:
         if self.options.record is None:

@@ -1,4 +1,5 @@
-"""V2 tensors: the datatypes, and the element data of one input in JSON or in Triton's binary form.
+"""V2 tensors: the datatypes, and the element data of one input as JSON, as typed values (gRPC's
+`contents`) or in Triton's binary form (HTTP's binary extension, gRPC's raw contents, shared memory).
 
 Every function checks the data against the declared datatype and shape and raises `InputError`
 with the input's name and the bad value, so a client can see which tensor was wrong.
@@ -25,7 +26,9 @@ __all__ = [
     "bytes_from_binary",
     "serialize_bytes",
     "tensor_from_binary",
+    "tensor_from_elements",
     "tensor_from_json",
+    "tensor_from_values",
 ]
 
 #: V2 datatypes and their little-endian numpy types; BYTES and BF16 have none (decoded by hand).
@@ -51,22 +54,37 @@ class Tensor:
 def tensor_from_json(name: str, datatype: str, shape: tuple[int, ...], data: Any, *, base64_bytes: bool = False) -> Tensor:
     """An input whose `data` is JSON: row-major, flat or nested, checked against datatype and shape.
     BYTES elements are UTF-8 strings, or base64 strings when `base64_bytes`."""
-    count = math.prod(shape)
     if datatype == "BYTES":
         elements = _flatten_strings(name, data)
-        if len(elements) != count:
-            raise InputError(f"input {brief(name, 64)}: shape {list(shape)} needs {count} elements, 'data' has {len(elements)}")
-        values = [_string_bytes(name, e, base64_bytes) for e in elements]
-        return Tensor(name, datatype, shape, _object_array(values).reshape(shape))
+        _check_count(name, shape, len(elements), "'data' has")
+        return tensor_from_elements(name, shape, [_string_bytes(name, e, base64_bytes) for e in elements])
     try:
         array = np.asarray(data)
     except (ValueError, TypeError):
         raise InputError(f"input {brief(name, 64)}: 'data' must be a flat or evenly nested list of numbers") from None
-    if array.size != count:
-        raise InputError(f"input {brief(name, 64)}: shape {list(shape)} needs {count} elements, 'data' has {array.size}")
+    _check_count(name, shape, array.size, "'data' has")
     if datatype.startswith(("INT", "UINT")):
         array = _python_ints(data, array)
-    return Tensor(name, datatype, shape, _checked_numbers(name, datatype, array).reshape(shape))
+    return tensor_from_values(name, datatype, shape, array)
+
+
+def tensor_from_values(name: str, datatype: str, shape: tuple[int, ...], values: np.ndarray[Any, Any]) -> Tensor:
+    """An input of numbers or booleans given as values (JSON numbers, gRPC's typed contents),
+    checked against the datatype (kind and range) and the shape."""
+    _check_count(name, shape, values.size, "the data has")
+    return Tensor(name, datatype, shape, _checked_numbers(name, datatype, values).reshape(shape))
+
+
+def tensor_from_elements(name: str, shape: tuple[int, ...], elements: list[bytes]) -> Tensor:
+    """A BYTES input from its elements, checked against the shape."""
+    _check_count(name, shape, len(elements), "the data has")
+    return Tensor(name, "BYTES", shape, _object_array(elements).reshape(shape))
+
+
+def _check_count(name: str, shape: tuple[int, ...], count: int, what: str) -> None:
+    needed = math.prod(shape)
+    if count != needed:
+        raise InputError(f"input {brief(name, 64)}: shape {list(shape)} needs {needed} elements, {what} {count}")
 
 
 def _flatten_strings(name: str, data: Any) -> list[Any]:
@@ -132,19 +150,18 @@ def _python_ints(data: Any, array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]
 
 
 def tensor_from_binary(name: str, datatype: str, shape: tuple[int, ...], raw: bytes) -> Tensor:
-    """An input sent in the binary tensor data extension: little-endian, row-major, no padding."""
+    """An input in Triton's binary form: little-endian, row-major, no padding."""
     count = math.prod(shape)
     if datatype == "BYTES":
         values = bytes_from_binary(name, raw)
-        if len(values) != count:
-            raise InputError(f"input {brief(name, 64)}: shape {list(shape)} needs {count} elements, the binary data has {len(values)}")
-        return Tensor(name, datatype, shape, _object_array(values).reshape(shape))
+        _check_count(name, shape, len(values), "the binary data has")
+        return tensor_from_elements(name, shape, values)
     dtype = np.dtype("<u2") if datatype == "BF16" else DATATYPES[datatype]
     assert dtype is not None
     if len(raw) != count * dtype.itemsize:
         raise InputError(
             f"input {brief(name, 64)}: shape {list(shape)} of {datatype} needs {count * dtype.itemsize} bytes, "
-            f"binary_data_size is {len(raw)}"
+            f"the binary data has {len(raw)}"
         )
     array = np.frombuffer(raw, dtype=dtype)
     if datatype == "BF16":  # bfloat16 is the top half of a float32

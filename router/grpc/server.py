@@ -1,0 +1,77 @@
+"""The gRPC endpoint: grpcio's asyncio server, on the event loop the HTTP app's lifespan runs on,
+serving the Open Inference Protocol (`inference.GRPCInferenceService`) and `grpc.health.v1`.
+
+It is a `router.http.app.Listener`: the app's lifespan starts it after the serving core and stops
+it after the drain, so every process that serves the app serves gRPC too. grpcio sets
+SO_REUSEPORT on Linux, so several such processes can share the port. Messages are limited to the
+HTTP body limit in both directions, and concurrent RPCs to `max_connections` (RESOURCE_EXHAUSTED
+beyond).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Final
+
+from grpc import aio
+from grpc_health.v1 import health_pb2_grpc
+
+from router.access import AccessPolicy
+from router.config import ServerSettings
+from router.errors import ConfigError
+from router.grpc.health import ReadinessHealth
+from router.grpc.inference import Inference
+from router.grpc.service import SERVICE_NAME, InferenceService
+from router.inference_protocol.shared_memory import SharedMemoryRegistry
+from router.serving.facade import ServingFacade
+
+__all__ = ["GrpcServer", "grpc_server"]
+
+log = logging.getLogger("router.grpc")
+STOP_GRACE_S: Final = 5.0
+
+
+class GrpcServer:
+    """Start and stop the gRPC endpoint; `port` is the one bound (the setting's, or the system's choice for 0)."""
+
+    def __init__(self, service: InferenceService, health: ReadinessHealth, *, host: str, port: int,
+                 max_message_bytes: int, max_concurrent_rpcs: int) -> None:
+        self.service, self.health = service, health
+        self.address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+        self.options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.so_reuseport", 1),
+        ]
+        self.max_concurrent_rpcs = max_concurrent_rpcs
+        self.port: int | None = None
+        self._server: aio.Server | None = None
+
+    async def start(self) -> None:
+        server = aio.server(options=self.options, maximum_concurrent_rpcs=self.max_concurrent_rpcs)
+        server.add_generic_rpc_handlers((self.service.handler(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        try:
+            self.port = server.add_insecure_port(self.address)
+        except RuntimeError as exc:
+            raise ConfigError(f"MODEL_ROUTER_GRPC_PORT: cannot listen on {self.address}: {exc}") from None
+        await server.start()
+        self._server = server
+        log.info("serving gRPC on %s", self.address.rsplit(":", 1)[0] + f":{self.port}")
+
+    async def stop(self) -> None:
+        """Stop taking calls; calls still running get `STOP_GRACE_S`, then are cancelled."""
+        if self._server is not None:
+            await self._server.stop(STOP_GRACE_S)
+            self._server = None
+
+
+def grpc_server(runtime: ServingFacade, settings: ServerSettings, policy: AccessPolicy,
+                shared_memory: SharedMemoryRegistry) -> GrpcServer:
+    """The gRPC endpoint the settings ask for (`grpc_port`; the caller skips it for 0)."""
+    inference = Inference(runtime, shared_memory, max_message_bytes=settings.max_body_bytes, max_items=settings.max_items,
+                          frames_in_flight=settings.grpc_stream_frames)
+    service = InferenceService(runtime, inference, shared_memory, policy)
+    return GrpcServer(service, ReadinessHealth(runtime, policy, SERVICE_NAME), host=settings.host,
+                      port=settings.grpc_port, max_message_bytes=settings.max_body_bytes,
+                      max_concurrent_rpcs=settings.max_connections)

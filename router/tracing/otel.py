@@ -1,0 +1,236 @@
+"""The tracing interface (`router.tracing.api`) on the OpenTelemetry SDK: the one module of the
+router that imports OpenTelemetry.
+
+Everything is configured the OpenTelemetry way, by the SDK reading its own OTEL_* variables: the
+OTLP/HTTP exporter (endpoint, headers, timeout, compression, certificates), the batch span
+processor (OTEL_BSP_*), the sampler (OTEL_TRACES_SAMPLER, _ARG), the resource (OTEL_SERVICE_NAME,
+OTEL_RESOURCE_ATTRIBUTES) and the propagators (OTEL_PROPAGATORS). The router adds one rule to the
+sampler: a batch that served a sampled request is sampled too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Mapping, Sequence
+
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.propagators.textmap import Getter
+from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+from opentelemetry.util.types import Attributes
+
+from router import __version__
+from router.tracing.api import ENDPOINT_VARIABLES, AttributeValue, Headers, SpanRef
+
+__all__ = ["BatchSampler", "OtelTracing"]
+
+#: Litestar's path template with its converters (`/models/{name:str}/predict`) as OpenTelemetry's route.
+_CONVERTER = re.compile(r"\{(\w+):\w+\}")
+
+
+class _HeaderList(Getter[Headers]):
+    """Reads propagation fields from ASGI's header list."""
+
+    def get(self, carrier: Headers, key: str) -> list[str] | None:
+        name = key.encode("latin-1")
+        values = [value.decode("latin-1") for field, value in carrier if field == name]
+        return values or None
+
+    def keys(self, carrier: Headers) -> list[str]:
+        return [field.decode("latin-1") for field, _ in carrier]
+
+
+_HEADERS = _HeaderList()
+
+
+class BatchSampler(Sampler):
+    """The configured sampler, except for a root span linked to a sampled span (a batch that served
+    a sampled request): that one is sampled, so a sampled request never misses its batch."""
+
+    def __init__(self, configured: Sampler) -> None:
+        self.configured = configured
+
+    def should_sample(
+        self, parent_context: Context | None, trace_id: int, name: str, kind: SpanKind | None = None,
+        attributes: Attributes = None, links: Sequence[Link] | None = None, trace_state: TraceState | None = None,
+    ) -> SamplingResult:
+        parent = trace.get_current_span(parent_context).get_span_context()
+        if not parent.is_valid and links and any(link.context.trace_flags.sampled for link in links):
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
+        return self.configured.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+
+    def get_description(self) -> str:
+        return f"BatchSampler{{{self.configured.get_description()}}}"
+
+
+def _resource() -> Resource:
+    """The SDK's resource from the environment, named model-router unless OTEL_SERVICE_NAME says otherwise."""
+    resource = Resource({SERVICE_VERSION: __version__}).merge(Resource.create())
+    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({SERVICE_NAME: "model-router"}))
+    return resource
+
+
+def _reason(error: BaseException) -> str:
+    detail = getattr(error, "detail", None)
+    return str(detail) if detail else f"{type(error).__name__}: {error}".rstrip(": ")
+
+
+def _mark_failed(span: trace.Span, error: BaseException) -> None:
+    span.set_status(Status(StatusCode.ERROR, _reason(error)))
+    span.set_attribute("error.type", type(error).__name__)
+
+
+def _linked(ref: SpanRef) -> SpanContext:
+    return SpanContext(ref.trace_id, ref.span_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED))
+
+
+class OtelTracing:
+    """Spans on one TracerProvider. Times are `time.monotonic()` seconds, turned into epoch nanoseconds."""
+
+    def __init__(self, provider: TracerProvider) -> None:
+        self.provider = provider
+        self.tracer = provider.get_tracer("model-router", __version__)
+        self._offset_ns = time.time_ns() - time.monotonic_ns()
+
+    @classmethod
+    def from_environment(cls) -> OtelTracing:
+        """OTLP over HTTP behind a batch span processor, each configured by the SDK from OTEL_*."""
+        configured = TracerProvider(shutdown_on_exit=False).sampler  # OTEL_TRACES_SAMPLER(_ARG), as the SDK reads it
+        provider = TracerProvider(sampler=BatchSampler(configured), resource=_resource(), shutdown_on_exit=False)
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        return cls(provider)
+
+    def ns(self, at: float) -> int:
+        """A monotonic timestamp as epoch nanoseconds."""
+        return int(at * 1e9) + self._offset_ns
+
+    def start_request(self, method: str, path: str, headers: Headers, at: float) -> OtelRequestSpan:
+        parent = propagate.extract(headers, context=Context(), getter=_HEADERS)  # the caller's, nothing ambient
+        span = self.tracer.start_span(method, context=parent, kind=SpanKind.SERVER, start_time=self.ns(at),
+                                      attributes={"http.request.method": method, "url.path": path})
+        return OtelRequestSpan(self, span, method, trace.get_current_span(parent).get_span_context().is_valid)
+
+    def start_batch(self, requests: Sequence[tuple[SpanRef, str]], at: float,
+                    attributes: Mapping[str, AttributeValue]) -> OtelBatchSpan:
+        links = [Link(_linked(ref), {"router.request_id": request_id}) for ref, request_id in requests]
+        span = self.tracer.start_span("batch", context=Context(), start_time=self.ns(at), attributes=attributes,
+                                      links=links)  # a root, always
+        return OtelBatchSpan(self, span)
+
+    def describe(self) -> str:
+        where = next((f"{name}={os.environ[name]}" for name in ENDPOINT_VARIABLES if os.environ.get(name)), "-")
+        return f"on: OTLP over HTTP ({where}), sampler {self.provider.sampler.get_description()}"
+
+    def shutdown(self) -> None:
+        self.provider.shutdown()
+
+
+class OtelPhases:
+    """A request's path: the open phase is a name and a start; its span is made when it ends."""
+
+    __slots__ = ("_ended", "_item", "_open", "_parent", "_tracing", "ref")
+
+    def __init__(self, tracing: OtelTracing, parent: Context, ref: SpanRef, item: int | None) -> None:
+        self._tracing, self._parent, self.ref, self._item = tracing, parent, ref, item
+        self._open: tuple[str, float, SpanRef | None, dict[str, AttributeValue]] | None = None
+        self._ended = time.monotonic()
+
+    def enter(self, phase: str, at: float | None = None, *, link: SpanRef | None = None,
+              **attributes: AttributeValue) -> None:
+        if at is None:
+            at = time.monotonic() if self._open is not None else self._ended
+        if self._open is not None:
+            self._close(at, None)
+        self._open = (phase, at, link, attributes)
+
+    def leave(self, at: float, error: BaseException | None = None) -> None:
+        if self._open is not None:
+            self._close(at, error)
+
+    def _close(self, at: float, error: BaseException | None) -> None:
+        assert self._open is not None
+        phase, start, link, attributes = self._open
+        self._open, self._ended = None, at
+        if self._item is not None:
+            attributes["router.item"] = self._item
+        tracing = self._tracing
+        span = tracing.tracer.start_span(phase, context=self._parent, start_time=tracing.ns(start),
+                                         attributes=attributes, links=(Link(_linked(link)),) if link else ())
+        if error is not None:
+            _mark_failed(span, error)
+        span.end(end_time=tracing.ns(max(at, start)))
+
+
+class OtelRequestSpan:
+    """The server span of one request and the phase paths under it. Unsampled, it costs what it must:
+    the sampling decision, and a trace id and `traceparent` only for a caller that sent its own."""
+
+    __slots__ = ("_error", "_method", "_paths", "_span", "_tracing", "recording", "ref", "trace_id")
+
+    def __init__(self, tracing: OtelTracing, span: trace.Span, method: str, joined: bool) -> None:
+        self._tracing, self._span, self._method = tracing, span, method
+        context = span.get_span_context()
+        self.recording = span.is_recording()
+        self.trace_id = f"{context.trace_id:032x}" if self.recording or joined else None
+        self.ref = SpanRef(context.trace_id, context.span_id) if self.recording else None
+        self._paths: list[OtelPhases] = []
+        self._error: BaseException | None = None
+
+    def phases(self, item: int | None = None) -> OtelPhases | None:
+        if self.ref is None:
+            return None
+        path = OtelPhases(self._tracing, trace.set_span_in_context(self._span), self.ref, item)
+        self._paths.append(path)
+        return path
+
+    def describe(self, **attributes: AttributeValue) -> None:
+        if self.recording:
+            self._span.set_attributes(attributes)
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+
+    def end(self, status: int, at: float, route: str | None = None) -> None:
+        for path in self._paths:  # a phase still open ends with the request (respond; or the one that failed)
+            path.leave(at, self._error)
+        span = self._span
+        if self.recording:
+            if route:
+                route = _CONVERTER.sub(r"{\1}", route)
+                span.update_name(f"{self._method} {route}")
+                span.set_attribute("http.route", route)
+            span.set_attribute("http.response.status_code", status)
+            if status >= 400:
+                span.set_attribute("error.type", type(self._error).__name__ if self._error else str(status))
+            if status >= 500:  # a server span's error, as OpenTelemetry's HTTP conventions say
+                span.set_status(Status(StatusCode.ERROR, _reason(self._error) if self._error else f"HTTP {status}"))
+        span.end(end_time=self._tracing.ns(at))
+
+    def response_headers(self) -> list[tuple[bytes, bytes]]:
+        if self.trace_id is None:
+            return []
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=trace.set_span_in_context(self._span))
+        return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in carrier.items()]
+
+
+class OtelBatchSpan:
+    __slots__ = ("_span", "_tracing", "ref")
+
+    def __init__(self, tracing: OtelTracing, span: trace.Span) -> None:
+        self._tracing, self._span = tracing, span
+        context = span.get_span_context()
+        self.ref = SpanRef(context.trace_id, context.span_id)
+
+    def end(self, at: float, error: str | None = None) -> None:
+        if error is not None:
+            self._span.set_status(Status(StatusCode.ERROR, error))
+        self._span.end(end_time=self._tracing.ns(at))

@@ -1,0 +1,61 @@
+"""Print the trace of one request as docs/tracing.md shows it: a real `model-router serve` on a
+loopback port exporting OTLP/HTTP to a receiver in this process, four requests sent at once
+(the first with a client's traceparent) so that they share a batch, and the first one's trace
+rendered as text from the spans received.
+
+    .venv/bin/python scripts/example_trace.py
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's test kit, below
+
+from tests.conftest import serve
+from tests.otlp_receiver import SERVER, receiver, text_tree
+
+FLEET = """
+models:
+  detector:
+    plugin: scripted
+    options: {fixed_ms: 20, per_item_ms: 2, per_item_bytes: 4000000, fixed_bytes: 16000000}
+    batch: {max_size: 8, max_delay_ms: 25}
+"""
+CLIENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def main() -> int:
+    with receiver() as otlp, tempfile.TemporaryDirectory() as tmp:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "OTEL_BSP_SCHEDULE_DELAY": "50"}
+        with serve(Path(tmp), FLEET, env=env) as server:
+            together = threading.Barrier(4)
+
+            def one(index: int) -> None:
+                headers = {"content-type": "application/json", "x-request-id": f"req-{index}"}
+                if index == 0:
+                    headers["traceparent"] = CLIENT
+                together.wait(10)
+                httpx.post(f"{server.url}/models/detector/predict", content=json.dumps({"id": str(index)}),
+                           headers=headers, timeout=30).raise_for_status()
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+            root = otlp.wait_for(lambda got: next((s for s in got if s.kind == SERVER
+                                                   and s.attributes.get("router.request_id") == "req-0"), None))
+            otlp.wait_for(lambda got: any(link.span_id == root.span_id for s in got for link in s.links))  # its batch
+            print(text_tree(otlp.spans, root))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
