@@ -68,7 +68,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _refuse(exc)
     print(json.dumps(plan.describe(), indent=2))
-    print(f"model-router: {plan.source} is valid: {len(plan.models)} model(s) on "
+    pipelines = f", {len(plan.pipelines)} pipeline(s)" if plan.pipelines else ""
+    print(f"model-router: {plan.source} is valid: {len(plan.models)} model(s){pipelines} on "
           f"{len(plan.fleet.devices)} device(s)", file=sys.stderr)
     return 0
 
@@ -197,7 +198,7 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port (env MODEL_ROUTER_PORT)")
     serve.set_defaults(func=cmd_serve)
     check = sub.add_parser("check", help="run every validation `serve` runs (fleet, plugin options and paths, "
-                                         "MODEL_ROUTER_* settings, keys) and print the resolved plan")
+                                         "pipelines, MODEL_ROUTER_* settings, keys) and print the resolved plan")
     check.add_argument("--config", type=Path, help="fleet YAML (env MODEL_ROUTER_CONFIG)")
     check.set_defaults(func=cmd_check)
     reload = sub.add_parser("reload", help="make a running server re-read its fleet file and apply the difference")

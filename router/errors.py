@@ -13,6 +13,7 @@ __all__ = [
     "BatchSizeMismatch",
     "ClientDisconnected",
     "ConfigError",
+    "Conflict",
     "DeadlineExceeded",
     "DeviceOutOfMemory",
     "ExecutionTimeout",
@@ -38,6 +39,7 @@ __all__ = [
     "clip",
     "outcome_of",
     "v2_status",
+    "with_detail",
 ]
 
 
@@ -106,6 +108,13 @@ class Forbidden(RouterError):
 class ModelNotFound(RouterError):
     status_code = 404
     outcome = "not_found"
+
+
+class Conflict(RouterError):
+    """An operator's change that would break what depends on it (a model a pipeline uses)."""
+
+    status_code = 409
+    outcome = "conflict"
 
 
 class Overloaded(RouterError):
@@ -189,6 +198,15 @@ def v2_status(error: RouterError) -> tuple[int, dict[str, str]]:
                 headers.setdefault("Retry-After", str(max(1, int(retry + 0.999))))
             return status, headers
     return error.status_code, dict(error.headers)
+
+
+def with_detail(error: RouterError, detail: str) -> RouterError:
+    """The same error (class, status, outcome, retry hint) with another detail. A batch's error
+    is shared by all its requests, so an error is never edited in place."""
+    copy = type(error).__new__(type(error))
+    RouterError.__init__(copy, detail, headers=error.headers)
+    copy.retry_after_s = error.retry_after_s
+    return copy
 
 
 def outcome_of(error: BaseException) -> str:

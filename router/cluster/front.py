@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from router.cluster.layout import cluster_of, copy_policies, served_models
+from router.cluster.layout import NO_PIPELINES, cluster_of, copy_policies, served_models
 from router.cluster.reports import ErrorReply, ReplicaReport, Reply
 from router.cluster.view import cluster_devices, cluster_model
 from router.config import FleetConfig, ModelConfig
@@ -41,6 +41,7 @@ from router.errors import (
 from router.sdk.plugin import Payload
 from router.serving.editor import ReloadReport
 from router.serving.inflight import InFlight
+from router.serving.plan import PipelinePlan
 from router.serving.residency_executor import UnloadReport
 from router.serving.runtime import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
@@ -204,7 +205,9 @@ class ClusterRuntime:
         self.telemetry.observe_request(model, outcome, self.clock() - started)
 
     async def submit(self, model: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
-                     request_id: str | None = None, received_at: float | None = None) -> Answer:
+                     request_id: str | None = None, received_at: float | None = None, wait_for_room: bool = False,
+                     must_finish: bool = False) -> Answer:
+        """`wait_for_room` and `must_finish` are for pipelines' later steps, which a cluster does not serve."""
         config = self._config(model)
         started = self.clock() if received_at is None else min(received_at, self.clock())
         with self._inflight.request(lambda outcome: self._count(model, outcome, started)):
@@ -271,6 +274,21 @@ class ClusterRuntime:
 
     async def reload(self, path: Path | None = None) -> ReloadReport:
         raise InputError(_REDEPLOY)
+
+    # -- pipelines: not served by a cluster (refused at deploy: router.cluster.layout.cluster_of) --------
+
+    def pipelines(self) -> list[PipelinePlan]:
+        return []
+
+    def pipeline(self, name: str) -> PipelinePlan | None:
+        return None
+
+    async def put_pipeline(self, name: str, section: Mapping[str, Any],
+                           source: str = "PUT /pipelines") -> tuple[str, PipelinePlan]:
+        raise InputError(NO_PIPELINES)
+
+    async def delete_pipeline(self, name: str) -> None:
+        raise InputError(NO_PIPELINES)
 
 
 _REDEPLOY = ("a cluster's fleet changes by deploying it again: edit the fleet file and run "

@@ -1,4 +1,4 @@
-"""Per-request facts: what the ASGI middleware records in the scope, and the runtime the app serves."""
+"""Per-request facts: what the ASGI middleware records in the scope, and the runtime (and pipeline runner) the app serves."""
 
 from __future__ import annotations
 
@@ -8,15 +8,22 @@ from typing import Any
 from litestar import Request
 from litestar.types import Scope
 
+from router.pipelines import PipelineRunner
 from router.serving.facade import ServingFacade
 
-__all__ = ["mark_received", "received_at", "runtime_of"]
+__all__ = ["mark_received", "pipelines_of", "received_at", "runtime_of"]
 
 
 def runtime_of(request: Request[Any, Any, Any]) -> ServingFacade:
     """The runtime behind the app that serves `request`."""
     runtime: ServingFacade = request.app.state.runtime
     return runtime
+
+
+def pipelines_of(request: Request[Any, Any, Any]) -> PipelineRunner:
+    """The pipeline runner in front of that runtime."""
+    runner: PipelineRunner = request.app.state.pipelines
+    return runner
 
 
 def mark_received(scope: Scope) -> None:

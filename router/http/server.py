@@ -81,7 +81,7 @@ def run_server(app: Litestar, runtime: ServingFacade, settings: ServerSettings) 
     and predict requests that will be refused answered from their headers (`router.http.early`)."""
     limits = HttpLimits(max_header_bytes=settings.max_header_bytes, max_headers=settings.max_headers,
                         header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s)
-    protocol = guarded_protocol(limits, EarlyRefusals(runtime, app.state.access_policy))
+    protocol = guarded_protocol(limits, EarlyRefusals(runtime, app.state.access_policy, app.state.pipelines))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=5, access_log=False, http=protocol,
                             ws="none", timeout_keep_alive=settings.keep_alive_s,

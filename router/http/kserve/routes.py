@@ -8,11 +8,12 @@ handler (`encode_error` holds the mapping); the native routes keep `{"detail": .
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
 import zlib
-from collections.abc import Sequence
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Final, Protocol
 
 from litestar import MediaType, Request, Response, Router, get, post
 
@@ -35,12 +36,16 @@ from router.http.kserve.codec import (
     signature,
     to_payloads,
 )
-from router.http.request_state import received_at, runtime_of
+from router.http.request_state import pipelines_of, received_at, runtime_of
 from router.logs import request_id_var
+from router.pipelines import PipelineAnswer, PipelineRunner
 from router.sdk.plugin import Payload
 from router.serving.facade import ServingFacade
 from router.serving.runtime import Answer
 from router.serving.snapshots import ModelInfo
+
+#: One item's answer: a model's or a pipeline's (both carry `output`).
+Answered = Answer | PipelineAnswer
 
 __all__ = ["v2_error_response", "v2_router"]
 
@@ -56,7 +61,9 @@ _TRITON_STATES: Final = {
 
 
 def _model(request: Request[Any, Any, Any], name: str, version: str | None) -> ModelInfo:
-    model = runtime_of(request).model(name)
+    """The model (for a pipeline, the model its requests enter by) of a V2 route."""
+    pipelines = pipelines_of(request)
+    model = runtime_of(request).model(pipelines.plan(name).entry if pipelines.serves(name) else name)
     if version is not None and version != MODEL_VERSION:
         raise ModelNotFound(f"model {name!r} has no version {brief(version, 40)}; versions: {MODEL_VERSION}")
     return model
@@ -89,17 +96,20 @@ async def server_ready(request: Request[Any, Any, Any]) -> Response[bytes]:
 @get(["/models/{name:str}", "/models/{name:str}/versions/{version:str}"], summary="V2 model metadata")
 async def model_metadata(name: str, request: Request[Any, Any, Any], version: str | None = None) -> dict[str, Any]:
     model = _model(request, name, version)
+    pipeline = pipelines_of(request).serves(name)  # a pipeline is a model to V2 clients, as Triton's ensembles
     return {
         "name": name,
         "versions": [MODEL_VERSION],
-        "platform": f"model-router/{model.plugin['name']}",
+        "platform": "ensemble" if pipeline else f"model-router/{model.plugin['name']}",
         **signature(model.accepts).metadata(),
     }
 
 
 @get(["/models/{name:str}/ready", "/models/{name:str}/versions/{version:str}/ready"], summary="V2 model readiness")
 async def model_ready(name: str, request: Request[Any, Any, Any], version: str | None = None) -> Response[bytes]:
-    return _status(_model(request, name, version).serving)
+    model = _model(request, name, version)
+    pipelines = pipelines_of(request)
+    return _status(pipelines.info(name).serving if pipelines.serves(name) else model.serving)
 
 
 # -- inference ------------------------------------------------------------------------------------
@@ -110,11 +120,11 @@ async def model_ready(name: str, request: Request[Any, Any, Any], version: str |
 async def infer(name: str, request: Request[Any, Any, Any], version: str | None = None) -> Response[bytes]:
     """JSON tensors or Triton's binary tensor data extension. Parameters: `timeout` (us), `priority` (1 highest).
     A request is admitted or refused as a whole: its item count against the model's queue before any item is queued."""
-    runtime = runtime_of(request)
     model = _model(request, name, version)  # 404 before reading the body
-    runtime.precheck(name, received_at=received_at(request))  # draining, not serving, full: before the body
+    target = _target(request, name)
+    target.precheck(name, received_at=received_at(request))  # draining, not serving, full: before the body
     body = _decompress(await request.body(), request.headers.get("content-encoding"), _body_limit(request))
-    work = _decode_and_run(request, runtime, model, body)  # a client gone mid-decode stops it before submitting
+    work = _decode_and_run(request, target, name, model, body)  # a client gone mid-decode stops it before submitting
     decoded, outputs, answers = await run_unless_disconnected(request.receive, work)
     content, header_length = encode_response(name, decoded, outputs, [answer.output for answer in answers])
     if header_length is None:
@@ -122,36 +132,55 @@ async def infer(name: str, request: Request[Any, Any, Any], version: str | None 
     return Response(content, media_type="application/octet-stream", headers={HEADER_LENGTH: str(header_length)})
 
 
+class _Target(Protocol):
+    """What V2 inference runs items through: the serving façade for a model, the pipeline runner for a pipeline."""
+
+    def precheck(self, name: str, *, priority: int | None = None, timeout_ms: float | None = None,
+                 received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> None: ...
+
+
+def _target(request: Request[Any, Any, Any], name: str) -> _Target:
+    pipelines = pipelines_of(request)
+    return pipelines if pipelines.serves(name) else runtime_of(request)
+
+
+def _run_one(target: _Target, name: str) -> Callable[..., Awaitable[Answered]]:
+    """The submit of one item: the façade's `submit`, or the pipeline runner's `run`."""
+    if isinstance(target, PipelineRunner):
+        return functools.partial(target.run, name)
+    facade: ServingFacade = target  # type: ignore[assignment]  # the other kind of target
+    return functools.partial(facade.submit, name)
+
+
 async def _decode_and_run(
-    request: Request[Any, Any, Any], runtime: ServingFacade, model: ModelInfo, body: bytes
-) -> tuple[InferRequest, Sequence[RequestedOutput], list[Answer]]:
+    request: Request[Any, Any, Any], target: _Target, name: str, model: ModelInfo, body: bytes
+) -> tuple[InferRequest, Sequence[RequestedOutput], list[Answered]]:
     """Decode (off the event loop), check the whole request against the queue, then submit every item."""
     max_items = min(_max_items(request), model.queue_capacity)
     decoded = await asyncio.to_thread(decode_request, body, request.headers.get(HEADER_LENGTH), max_items=max_items)
     priority = router_priority(decoded.priority, model.priority_levels)
     items = decoded.inputs[0].shape[0]
-    runtime.precheck(model.name, priority=priority, timeout_ms=decoded.timeout_ms, received_at=received_at(request),
-                     items=items)
+    target.precheck(name, priority=priority, timeout_ms=decoded.timeout_ms, received_at=received_at(request),
+                    items=items)
     sig = signature(model.accepts)
     outputs = select_outputs(decoded, sig)
-    payloads = await asyncio.to_thread(to_payloads, decoded, model.name, sig)
-    request.scope["state"]["access"] = {"model": model.name, "input_bytes": len(body), "items": len(payloads)}
-    answers = await _submit_all(runtime, model.name, payloads, priority, decoded.timeout_ms, received_at(request))
+    payloads = await asyncio.to_thread(to_payloads, decoded, name, sig)
+    request.scope["state"]["access"] = {"model": name, "input_bytes": len(body), "items": len(payloads)}
+    answers = await _submit_all(_run_one(target, name), payloads, priority, decoded.timeout_ms, received_at(request))
     return decoded, outputs, answers
 
 
 async def _submit_all(
-    runtime: ServingFacade, model: str, payloads: Sequence[Payload], priority: int | None, timeout_ms: float | None,
-    arrived: float | None,
-) -> list[Answer]:
+    submit: Callable[..., Awaitable[Answered]], payloads: Sequence[Payload], priority: int | None,
+    timeout_ms: float | None, arrived: float | None,
+) -> list[Answered]:
     """Submit every item at once so they share the queue and the batcher; answers in item order.
 
     The first failure (in item order) answers the request, and the remaining items are cancelled."""
     base = request_id_var.get() or uuid.uuid4().hex
     ids = [base] if len(payloads) == 1 else [f"{base}.{i}" for i in range(len(payloads))]
     tasks = [
-        asyncio.ensure_future(runtime.submit(model, p, priority=priority, timeout_ms=timeout_ms, request_id=rid,
-                                            received_at=arrived))
+        asyncio.ensure_future(submit(p, priority=priority, timeout_ms=timeout_ms, request_id=rid, received_at=arrived))
         for p, rid in zip(payloads, ids, strict=True)
     ]
     try:
@@ -207,11 +236,12 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
 async def repository_index(request: Request[Any, Any, Any]) -> list[dict[str, str]]:
     ready_only = _ready_flag(await request.body())
     entries = []
-    for model in runtime_of(request).models():
-        state = _TRITON_STATES[model.state]
+    listed = [(m.name, _TRITON_STATES[m.state], m.error) for m in runtime_of(request).models()]
+    listed += [(p.name, "READY" if p.serving else "UNAVAILABLE", p.error) for p in pipelines_of(request).infos()]
+    for name, state, error in listed:
         if ready_only and state != "READY":
             continue
-        entries.append({"name": model.name, "version": MODEL_VERSION, "state": state, "reason": model.error or ""})
+        entries.append({"name": name, "version": MODEL_VERSION, "state": state, "reason": error or ""})
     return entries
 
 

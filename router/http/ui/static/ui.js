@@ -131,6 +131,8 @@
   }
   function remember(state) {
     state.byName = Object.fromEntries(state.models.map((m) => [m.name, m]));
+    state.pipelines = state.pipelines || [];
+    state.pipelineByName = Object.fromEntries(state.pipelines.map((p) => [p.name, p]));
     const newest = history[history.length - 1];
     if (newest && state.time < newest.time) history.length = 0;  // the clock went back: start again
     history.push(state);
@@ -213,6 +215,64 @@
     const models = $("models");
     for (const model of state.models) renderModel(cardFor(models, "model", model.name, modelCard), model, state);
     prune(models, "model", new Set(state.models.map((m) => m.name)));
+    const pipelines = $("pipelines");
+    $("pipelines-section").hidden = !state.pipelines.length;
+    for (const p of state.pipelines) renderPipeline(cardFor(pipelines, "pipeline", p.name, pipelineCard), p, state);
+    prune(pipelines, "pipeline", new Set(state.pipelines.map((p) => p.name)));
+  }
+
+  // -- pipelines: one card each; per step, items per request and mean batch size over the window --
+
+  function pipelineCard(name) {
+    const head = el("tr", {}, el("th"), ...COLUMNS.map((c) => el("th", {}, c)));
+    const row = (label, prefix) => el("tr", {}, el("td", {}, label),
+      ...COLUMNS.map((c) => el("td", {"data-field": `${prefix}-${c}`}, "–")));
+    return el("article", {class: "card model", "data-pipeline": name},
+      el("h3", {}, name, el("span", {class: "badge", "data-field": "state"}, "–"),
+        el("span", {class: "muted", "data-field": "chain"})),
+      el("p", {class: "error", "data-field": "error", hidden: ""}),
+      el("table", {class: "outcomes"}, el("thead", {}, head),
+        el("tbody", {}, row(`per s (${WINDOW_S} s)`, "rate"), row("total", "total"))),
+      el("dl", {class: "stats"}, stat("latency p50 (200s)", "p50"), stat("latency p99 (200s)", "p99")),
+      el("dl", {class: "stats", "data-field": "steps"}));
+  }
+
+  function renderPipeline(card, p, state) {
+    set(card, "state", p.state);
+    card.querySelector("[data-field=state]").className = `badge ${STATE_BADGE[p.state] ?? "bad"}`;
+    set(card, "chain", p.chain);
+    const error = card.querySelector("[data-field=error]");
+    error.hidden = !p.error;
+    set(card, "error", p.error || "");
+    const old = before(WINDOW_S);
+    const seconds = state.time - old.time;
+    const was = (old.pipelineByName || {})[p.name];
+    const now = statusCounts(p), then = statusCounts(was);
+    for (const c of COLUMNS) {
+      set(card, `total-${c}`, String(now[c]), now[c]);
+      set(card, `rate-${c}`, seconds > 0 ? fmtRate(delta(now[c], then[c]) / seconds) : "–");
+    }
+    const latency = bucketDelta(p.histograms.latency, was && was.histograms.latency);
+    set(card, "p50", fmtSeconds(quantile(0.5, state.buckets.latency, latency)));
+    set(card, "p99", fmtSeconds(quantile(0.99, state.buckets.latency, latency)));
+    const steps = card.querySelector("[data-field=steps]");
+    const keys = p.steps.map((s) => s.step).join();
+    if (steps.dataset.keys !== keys) {
+      steps.replaceChildren(...p.steps.flatMap((s) => [stat(`${s.step} items / request`, `items-${s.step}`),
+        stat(`${s.step} mean batch`, `batch-${s.step}`, "the size of the batch each of the step's items ran in")]));
+      steps.dataset.keys = keys;
+    }
+    const mean = (nowSum, oldSum) => {
+      if (!nowSum) return null;
+      const count = delta(nowSum.count, oldSum && oldSum.count), sum = nowSum.sum - ((oldSum && oldSum.count <= nowSum.count) ? oldSum.sum : 0);
+      return count ? sum / count : null;
+    };
+    for (const s of p.steps) {
+      const o = was && was.steps.find((x) => x.step === s.step);
+      const items = mean(s.items, o && o.items), batch = mean(s.batch_sizes, o && o.batch_sizes);
+      set(steps, `items-${s.step}`, items === null ? "–" : items.toFixed(1), items);
+      set(steps, `batch-${s.step}`, batch === null ? "–" : batch.toFixed(2), batch);
+    }
   }
 
   function legend(items) {
