@@ -15,6 +15,7 @@ from router.errors import ConfigError
 from router.http.auth import AccessPolicy, policy_from_settings
 from router.serving.plan import FleetPlan, load_plan
 from router.serving.registry import PluginRegistry
+from router.serving.transforms import TransformRegistry
 
 __all__ = ["main"]
 
@@ -75,7 +76,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    """Every entry point the router reads: model plugins, exporters, demo files. Exit 1 if any is broken."""
+    """Every entry point the router reads: model plugins, transforms, exporters, demo files. Exit 1 if any is broken."""
     from router.exporting import installed_exporters
     from router.store import demo_files
 
@@ -84,6 +85,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         info = registry.get(name)
         print(f"{name}\t{info.distribution or '-'} {info.version or ''}\t{info.cls.__module__}.{info.cls.__qualname__}")
     broken = dict(registry.broken)
+    transforms = TransformRegistry.from_entry_points()
+    for name in transforms.names():
+        transform = transforms.get(name)
+        if transform is not None:
+            cls = transform.cls
+            print(f"transform {name}\t{transform.distribution or '(built in)'}\t{cls.__module__}.{cls.__qualname__}")
+    broken |= {f"transform {name}": reason for name, reason in transforms.broken.items()}
     exporters, demos = installed_exporters(), demo_files()
     for name, exporter in sorted(exporters.entries.items()):
         cls = type(exporter.target)
@@ -208,7 +216,8 @@ def parser() -> argparse.ArgumentParser:
     target.add_argument("--pid", type=int, help="send SIGHUP to this process instead")
     reload.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the reload")
     reload.set_defaults(func=cmd_reload)
-    plugins = sub.add_parser("plugins", help="list installed plugins, exporters and demo files (exit 1 if any is broken)")
+    plugins = sub.add_parser("plugins", help="list installed plugins, transforms, exporters and demo files "
+                                             "(exit 1 if any is broken)")
     plugins.set_defaults(func=cmd_plugins)
     store = sub.add_parser("store", help="model store tasks")
     store_sub = store.add_subparsers(dest="store_command", required=True)

@@ -417,7 +417,7 @@ def format_validation_error(error: ValidationError, source: str, schema: type[Ba
 
 
 def _accepted_keys(schema: type[BaseModel], path: tuple[int | str, ...]) -> list[str]:
-    """Field names of the model found by following `path` from `schema` (through dict values)."""
+    """Field names of the model found by following `path` from `schema` (through dict values and list items)."""
     current: Any = schema
     for part in path:
         if isinstance(current, type) and issubclass(current, BaseModel):
@@ -427,6 +427,8 @@ def _accepted_keys(schema: type[BaseModel], path: tuple[int | str, ...]) -> list
             current = field.annotation
         elif get_origin(current) is dict:
             current = get_args(current)[1]
+        elif get_origin(current) is list:
+            current = get_args(current)[0]
         else:
             return []
         if get_origin(current) in (Union, UnionType):

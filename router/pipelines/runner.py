@@ -70,13 +70,14 @@ class _Request:
 class PipelineRunner:
     """Runs the façade's pipelines; owns only their request counters and transform objects."""
 
-    def __init__(self, facade: ServingFacade, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, facade: ServingFacade, *, clock: Callable[[], float] = time.monotonic,
+                 transforms: TransformRegistry | None = None) -> None:
         self.facade = facade
         self.clock = clock
         self.telemetry: list[PipelineTelemetry] = []
         self.requests: defaultdict[str, Counter[str]] = defaultdict(Counter)
         self._transforms: dict[tuple[str, int], tuple[StepConfig, Transform]] = {}  # type: ignore[type-arg]
-        self._registry: TransformRegistry | None = None
+        self._registry = transforms  # by default the installed ones, looked up at the first transform
 
     def add_telemetry(self, sink: PipelineTelemetry) -> None:
         self.telemetry.append(sink)

@@ -42,11 +42,20 @@ class TransformRegistry:
         registry._discovered = found.names
         registry.broken.update(found.broken)
         for name, entry in found.entries.items():
-            if name in BUILT_IN:
-                registry.broken[name] = f"transform {name!r}: the name of a built-in transform"
-                continue
-            registry._transforms[name] = TransformInfo(name, entry.target, entry.distribution)
+            try:
+                registry.register(name, entry.target, distribution=entry.distribution)
+            except PluginValidationError as exc:
+                registry.broken[name] = str(exc)
         return registry
+
+    def register(self, name: str, target: object, *, distribution: str | None = None) -> TransformInfo:
+        """Validate and add a transform class; PluginValidationError at once if it is unfit."""
+        validate_transform_class(name, target)
+        if name in BUILT_IN and BUILT_IN[name] is not target:
+            raise PluginValidationError(name, "the name of a built-in transform")
+        info = TransformInfo(name, target, distribution)  # type: ignore[arg-type]  # checked above
+        self._transforms[name] = info
+        return info
 
     def get(self, name: str) -> TransformInfo | None:
         return self._transforms.get(name)
