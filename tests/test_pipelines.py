@@ -108,6 +108,7 @@ async def test_a_later_step_that_cannot_finish_in_time_is_answered_504_and_never
     assert "pipeline 'dc', step 2:pixels: model 'pixels' cannot answer before the deadline" in error.value.detail
     assert "the input was not run" in error.value.detail
     assert batches(record) == []  # an idle classifier too: no crop ran for a request already answered
+    assert runtime.model("pixels").requests == {"deadline": 3}  # each refused before its queue: none runs later
     assert runner.requests["dc"]["deadline"] == 1
 
 
