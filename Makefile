@@ -26,7 +26,7 @@ check: $(VENV)/.serve
 gpu-check: $(VENV)/.test $(VENV)/.ray
 	bash scripts/gpu-check.sh
 
-# Every contender on every workload, about 7 minutes on 2 cores; see benchmarks/run.py.
+# Every contender on every workload, about 12 minutes on 2 cores (pipelines: 5 of them); see benchmarks/run.py.
 bench: $(VENV)/.test $(VENV)/.ray $(VENV)/.bench $(DEMO) test-tools
 	$(BIN)/python -m benchmarks.run
 
