@@ -89,8 +89,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     for name in transforms.names():
         transform = transforms.get(name)
         if transform is not None:
-            cls = transform.cls
-            print(f"transform {name}\t{transform.distribution or '(built in)'}\t{cls.__module__}.{cls.__qualname__}")
+            where = f"{transform.cls.__module__}.{transform.cls.__qualname__}"
+            print(f"transform {name}\t{transform.distribution or '(built in)'}\t{where}")
     broken |= {f"transform {name}": reason for name, reason in transforms.broken.items()}
     exporters, demos = installed_exporters(), demo_files()
     for name, exporter in sorted(exporters.entries.items()):

@@ -79,11 +79,11 @@ def test_a_name_or_option_that_is_not_there_is_named_with_what_is(tmp_path: Path
 
 @pytest.mark.parametrize(("pipelines", "expected"), [
     ("  p: {steps: [{model: pixels}, {transform: crop}, {model: pixels}]}\n",
-     "pipelines.p.steps[1]: transform crop reads the answer of a model that answers detections; model pixels answers "
-     "colours (plugin pixels)"),
+     ("pipelines.p.steps[1]: transform crop reads the answer of a model that answers detections; model pixels answers "
+      "colours (plugin pixels)")),
     ("  p: {steps: [{model: boxes}, {transform: crop}, {model: json}]}\n",
-     "pipelines.p.steps[1]: transform crop gives images, for a model that accepts image/*; model json accepts "
-     "application/json, application/octet-stream (plugin scripted)"),
+     ("pipelines.p.steps[1]: transform crop gives images, for a model that accepts image/*; model json accepts "
+      "application/json, application/octet-stream (plugin scripted)")),
     ("  p: {steps: [{model: json}, {transform: whole}, {model: pixels}]}\n",
      "pipelines.p.steps[1]: transform whole passes on the image model json took, but it takes application/json"),
 ])

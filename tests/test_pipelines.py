@@ -82,7 +82,7 @@ async def test_each_detection_carries_its_crops_answer_cut_from_the_decoded_imag
     assert answer.output["image"] == {"width": 64, "height": 48} and answer.output["crop"]["kept"] == 3
     steps = answer.timing()["steps"]
     assert [(s["step"], s["items"]) for s in steps] == [("0:boxes", 1), ("1:crop", 3), ("2:pixels", 3)]
-    assert sorted(map(tuple, sum(batches(record), []))) == [(10, 10), (20, 20), (40, 28)]
+    assert sorted(tuple(size) for batch in batches(record) for size in batch) == [(10, 10), (20, 20), (40, 28)]
 
 
 async def test_crops_of_different_requests_share_the_next_models_batches(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from router.cluster.placement import CopyPolicy
 from router.config import ClusterConfig, DeviceConfig, FleetConfig
 from router.errors import ConfigError
 
-__all__ = ["FRONT", "INGRESS", "NO_PIPELINES", "PLACEMENT", "cluster_of", "copy_policies", "device_deployment", "fleet_document",
+__all__ = ["FRONT", "INGRESS", "PLACEMENT", "cluster_of", "copy_policies", "device_deployment", "fleet_document",
            "replica_device", "replica_fleet", "served_models"]
 
 #: The Serve deployments of a cluster application.
@@ -22,17 +22,9 @@ def device_deployment(node_type: str) -> str:
     return f"device-{node_type}"
 
 
-#: Why a cluster refuses pipelines: their runner calls one front's façade for every step, and a
-#: cluster's front has no item-level `wait_for_room`/`must_finish` to offer the replicas yet.
-NO_PIPELINES = ("pipelines are served by `model-router serve`, not by a cluster yet: deploy the fleet "
-                "without its pipelines section, and chain the models from the client")
-
-
 def cluster_of(fleet: FleetConfig, source: str = "fleet") -> ClusterConfig:
     if fleet.cluster is None:
         raise ConfigError(f"{source}: cluster: missing; add a cluster section (node_types, copies, front) to deploy on Ray")
-    if fleet.pipelines:
-        raise ConfigError(f"{source}: pipelines: {NO_PIPELINES} (got {', '.join(sorted(fleet.pipelines))})")
     return fleet.cluster
 
 
@@ -66,7 +58,8 @@ def replica_fleet(fleet: FleetConfig, node_type: str) -> FleetConfig:
                                                     "required": False})
         for name in served_models(fleet, node_type)
     }
-    return fleet.model_copy(update={"devices": {device: base}, "models": models, "cluster": None})
+    # Pipelines run in the fronts; a replica serves their steps as models.
+    return fleet.model_copy(update={"devices": {device: base}, "models": models, "cluster": None, "pipelines": {}})
 
 
 def copy_policies(fleet: FleetConfig) -> dict[str, CopyPolicy]:

@@ -85,5 +85,5 @@ def _unplaced(name: str, fleet: FleetConfig, requests: Mapping[str, int], cluste
         batch_max_size=config.batch.max_size, batch_max_delay_ms=config.batch.max_delay_ms,
         budget_bytes=int(config.memory.budget) if config.memory.budget is not None else None,
         execution_timeout_ms=config.execution.timeout_ms, weight=config.weight, required=False,
-        requests=dict(requests), timing=(), answer_lag_ms=0.0, probes=0, residency=None, extra={"cluster": cluster},
+        requests=dict(requests), timing=(), answer_lag_ms=0.0, half_opens=0, residency=None, extra={"cluster": cluster},
     )

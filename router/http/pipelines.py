@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import Request, Response, delete, get, put
+from litestar.params import FromPath
 
 from router.errors import ConfigError, InputError
 from router.http.admin import ADMIN, fleet_section
@@ -54,12 +55,12 @@ async def list_pipelines(request: Request[Any, Any, Any]) -> dict[str, Any]:
 
 
 @get("/pipelines/{name:str}", summary="One pipeline's steps, state and counters")
-async def show_pipeline(name: str, request: Request[Any, Any, Any]) -> dict[str, Any]:
+async def show_pipeline(name: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, Any]:
     return pipelines_of(request).info(name).as_dict()
 
 
 @put("/pipelines/{name:str}", summary="Add or change a pipeline from its fleet-file section (JSON or YAML)", opt=ADMIN)
-async def put_pipeline(name: str, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+async def put_pipeline(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
     section = fleet_section(await request.body(), request.headers.get("content-type", ""), "pipeline",
                             '{"steps": [{"model": "yolov8n"}, {"transform": "crop"}, {"model": "resnet18"}]}')
     try:
@@ -71,7 +72,7 @@ async def put_pipeline(name: str, request: Request[Any, Any, Any]) -> Response[d
 
 
 @delete("/pipelines/{name:str}", status_code=200, summary="Remove a pipeline; requests inside it finish", opt=ADMIN)
-async def delete_pipeline(name: str, request: Request[Any, Any, Any]) -> dict[str, str]:
+async def delete_pipeline(name: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, str]:
     await runtime_of(request).delete_pipeline(name)
     return {"deleted": name}
 

@@ -199,7 +199,7 @@ class PipelineRunner:
             transformed = await self._off_loop(request, key, transform.apply, payload, answer)
         except DeadlineExceeded as exc:
             raise request.failed(key, exc) from None
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  # a plugin's transform: its failure answers the request, 500
             raise request.failed(key, _transform_error(steps[index].name, exc)) from None
         request.trace.step(key, "transform", steps[index].name).span(started, self.clock())
         return transformed
@@ -260,7 +260,7 @@ def _made(items: Iterable[StepItem], key: str, request: _Request) -> Iterable[St
             item = next(iterator)
         except StopIteration:
             return
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  # a plugin's transform making its items: as above
             raise request.failed(key, _transform_error(key, exc)) from None
         if not isinstance(item, StepItem):
             raise request.failed(key, ModelError(f"the transform made a {type(item).__name__}, not a StepItem"))

@@ -24,8 +24,8 @@ from router.sdk.transforms import Transform
 from router.serving.registry import PluginInfo, PluginRegistry
 from router.serving.transforms import TransformRegistry
 
-__all__ = ["FleetPlan", "ModelPlan", "PipelinePlan", "load_plan", "option_keys", "pipeline_transforms", "resolve_fleet",
-           "resolve_pipelines"]
+__all__ = ["FleetPlan", "ModelPlan", "PipelinePlan", "load_plan", "option_keys", "pipeline_transforms", "plan_pipeline",
+           "resolve_fleet", "resolve_pipelines"]
 
 
 @dataclass(frozen=True)
@@ -180,11 +180,16 @@ def resolve_pipelines(fleet: FleetConfig, models: Mapping[str, ModelPlan], trans
         found = _PipelineCheck(name, config, fleet, models, transforms, source).problems()
         problems += found
         if not found:
-            used = _models_used(name, fleet.pipelines)
-            plans[name] = PipelinePlan(name, config, tuple(sorted(used)), _entry(name, fleet.pipelines) or "")
+            plans[name] = plan_pipeline(name, fleet.pipelines)
     if problems:
         raise config_error(source, problems)
     return plans
+
+
+def plan_pipeline(name: str, pipelines: Mapping[str, PipelineConfig]) -> PipelinePlan:
+    """A pipeline's plan from pipelines `resolve_pipelines` has checked (a cluster's front has its
+    file checked at deploy): the models it uses and the one its requests enter by."""
+    return PipelinePlan(name, pipelines[name], tuple(sorted(_models_used(name, pipelines))), _entry(name, pipelines) or "")
 
 
 def _models_used(name: str, pipelines: Mapping[str, PipelineConfig]) -> set[str]:

@@ -56,21 +56,3 @@ def test_cluster_errors_are_one_line_naming_the_key(tmp_path: Path, section: str
         load_fleet(path)
     assert fragment in str(caught.value)
 
-
-def test_a_cluster_refuses_pipelines_with_what_to_do_instead(tmp_path: Path) -> None:
-    import asyncio
-
-    from router.cluster.front import ClusterRuntime
-    from router.cluster.layout import cluster_of
-    from router.errors import InputError
-
-    path = tmp_path / "fleet.yaml"
-    path.write_text(FLEET + "pipelines:\n  dc: {steps: [{model: det}, {transform: crop}, {model: cls}]}\n")
-    fleet = load_fleet(path)
-    with pytest.raises(ConfigError, match="fleet.yaml: pipelines: pipelines are served by `model-router serve`, not by "
-                                          "a cluster yet.*\\(got dc\\)"):
-        cluster_of(fleet, str(path))
-    front = ClusterRuntime(load_fleet(tmp_path / "fleet.yaml").model_copy(update={"pipelines": {}}), calls=None)  # type: ignore[arg-type]
-    assert front.pipelines() == [] and front.pipeline("dc") is None
-    with pytest.raises(InputError, match="not by a cluster yet"):
-        asyncio.run(front.put_pipeline("dc", {"steps": [{"model": "det"}]}))
