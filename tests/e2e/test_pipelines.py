@@ -266,3 +266,31 @@ def test_a_full_first_step_answers_503_with_retry_after_at_the_door(scripted: tu
     assert server.access_lines("door")[0]["refused"] == "before the app"  # from the headers, the body unread
     for thread in sent:
         thread.join()
+
+
+# -- the live page -----------------------------------------------------------------------------------
+
+
+READ_PIPELINES = """(() => Object.fromEntries([...document.querySelectorAll('[data-pipeline]')].map((card) => [
+  card.dataset.pipeline, Object.fromEntries([...card.querySelectorAll('[data-field]')].map(
+    (n) => [n.dataset.field, n.dataset.value ?? n.textContent]))])))()"""
+
+
+def test_the_live_page_shows_a_card_per_pipeline(tmp_path: Path) -> None:
+    from tests.tools import require_program
+
+    require_program("chromium", "chromium")
+    from benchmarks.browser import Browser
+
+    fleet = (SCRIPTED.format(boxes_ms=0, record=tmp_path / "pixels.jsonl")
+             .replace("fixed_ms: 1500", "fixed_ms: 0").replace("timeout_ms: 1000", "timeout_ms: 10000"))
+    with serve(tmp_path, fleet) as server, Browser(width=1500, height=900) as browser:
+        browser.goto(f"{server.url}/ui?poll_ms=250")
+        for _ in range(3):
+            assert httpx.post(server.url + "/models/quick/predict", content=photo_body(),
+                              headers={"content-type": "image/jpeg"}, timeout=30).status_code == 200
+        browser.wait_for("Number(document.querySelector('[data-pipeline=quick] [data-field=total-200]')"
+                         "?.textContent) === 3")
+        card = browser.evaluate(READ_PIPELINES)["quick"]
+    assert card["state"] == "ready" and card["chain"] == "boxes → crop → pixels"
+    assert card["p50"] != "–" and float(card["items-2:pixels"]) == 2.0  # two crops per request
