@@ -224,15 +224,11 @@
   // -- pipelines: one card each; per step, items per request and mean batch size over the window --
 
   function pipelineCard(name) {
-    const head = el("tr", {}, el("th"), ...COLUMNS.map((c) => el("th", {}, c)));
-    const row = (label, prefix) => el("tr", {}, el("td", {}, label),
-      ...COLUMNS.map((c) => el("td", {"data-field": `${prefix}-${c}`}, "–")));
     return el("article", {class: "card model", "data-pipeline": name},
       el("h3", {}, name, el("span", {class: "badge", "data-field": "state"}, "–"),
         el("span", {class: "muted", "data-field": "chain"})),
       el("p", {class: "error", "data-field": "error", hidden: ""}),
-      el("table", {class: "outcomes"}, el("thead", {}, head),
-        el("tbody", {}, row(`per s (${WINDOW_S} s)`, "rate"), row("total", "total"))),
+      outcomesTable(),
       el("dl", {class: "stats"}, stat("latency p50 (200s)", "p50"), stat("latency p99 (200s)", "p99")),
       el("dl", {class: "stats", "data-field": "steps"}));
   }
@@ -247,11 +243,7 @@
     const old = before(WINDOW_S);
     const seconds = state.time - old.time;
     const was = (old.pipelineByName || {})[p.name];
-    const now = statusCounts(p), then = statusCounts(was);
-    for (const c of COLUMNS) {
-      set(card, `total-${c}`, String(now[c]), now[c]);
-      set(card, `rate-${c}`, seconds > 0 ? fmtRate(delta(now[c], then[c]) / seconds) : "–");
-    }
+    renderOutcomes(card, statusCounts(p), statusCounts(was), seconds);
     const latency = bucketDelta(p.histograms.latency, was && was.histograms.latency);
     set(card, "p50", fmtSeconds(quantile(0.5, state.buckets.latency, latency)));
     set(card, "p99", fmtSeconds(quantile(0.99, state.buckets.latency, latency)));
@@ -329,10 +321,22 @@
     drawChart(card.querySelector("canvas"), series, state.time, fmtBytes);
   }
 
-  function modelCard(name) {
+  // The outcome counters by status: a row of rates over the window, a row of totals.
+  function outcomesTable() {
     const head = el("tr", {}, el("th"), ...COLUMNS.map((c) => el("th", {}, c)));
     const row = (label, prefix) => el("tr", {}, el("td", {}, label),
       ...COLUMNS.map((c) => el("td", {"data-field": `${prefix}-${c}`}, "–")));
+    return el("table", {class: "outcomes"}, el("thead", {}, head),
+      el("tbody", {}, row(`per s (${WINDOW_S} s)`, "rate"), row("total", "total")));
+  }
+  function renderOutcomes(card, now, then, seconds) {
+    for (const c of COLUMNS) {
+      set(card, `total-${c}`, String(now[c]), now[c]);
+      set(card, `rate-${c}`, seconds > 0 ? fmtRate(delta(now[c], then[c]) / seconds) : "–");
+    }
+  }
+
+  function modelCard(name) {
     return el("article", {class: "card model", "data-model": name},
       el("h3", {}, name, el("span", {class: "badge", "data-field": "state"}, "–"),
         el("span", {class: "muted", "data-field": "where"})),
@@ -340,8 +344,7 @@
       el("dl", {class: "stats", "data-field": "residency", hidden: ""}),
       el("div", {class: "queue"}, el("span", {class: "muted"}, "queue"), el("div", {class: "bar"}, el("span")),
         el("span", {}, el("span", {"data-field": "queue-depth"}, "–"), " / ", el("span", {"data-field": "queue-capacity"}, "–"))),
-      el("table", {class: "outcomes"}, el("thead", {}, head),
-        el("tbody", {}, row(`per s (${WINDOW_S} s)`, "rate"), row("total", "total"))),
+      outcomesTable(),
       el("dl", {class: "stats"},
         stat("latency p50 (200s)", "p50"), stat("latency p99 (200s)", "p99"),
         stat("within deadline", "slo", "share of requests answered 200 within their deadline"),
@@ -375,10 +378,7 @@
     const seconds = state.time - old.time;
     const was = old.byName[m.name];
     const now = statusCounts(m), then = statusCounts(was);
-    for (const c of COLUMNS) {
-      set(card, `total-${c}`, String(now[c]), now[c]);
-      set(card, `rate-${c}`, seconds > 0 ? fmtRate(delta(now[c], then[c]) / seconds) : "–");
-    }
+    renderOutcomes(card, now, then, seconds);
     const requests = COLUMNS.reduce((sum, c) => sum + delta(now[c], then[c]), 0);
     const good = delta(m.within_deadline, was && was.within_deadline);
     set(card, "slo", requests ? fmtShare(good / requests) : "–");
