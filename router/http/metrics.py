@@ -71,8 +71,46 @@ class RouterMetrics:
             "model_router_answers_within_deadline", "Requests answered 200 within their deadline (the SLO's numerator).",
             ["model"], registry=self.registry,
         )
+        self._pipeline_metrics()
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         self.registry.register(_HostCollector())
+
+    def _pipeline_metrics(self) -> None:
+        """Per pipeline and per step (`step`: its position and name, like `2:resnet18`). A step's
+        items are also requests of its model, counted in the models' metrics."""
+        self.pipeline_requests = Counter(
+            "model_router_pipeline_requests", "Pipeline requests by outcome.", ["pipeline", "outcome"],
+            registry=self.registry,
+        )
+        self.pipeline_latency = Histogram(
+            "model_router_pipeline_answer_seconds", "Time inside the router of pipeline requests answered 200.",
+            ["pipeline"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.step_items = Histogram(
+            "model_router_pipeline_step_items", "Items one answered request put through the step.", ["pipeline", "step"],
+            buckets=(0, *BATCH_BUCKETS), registry=self.registry,
+        )
+        self.step_seconds = Histogram(
+            "model_router_pipeline_step_seconds", "Time from a step's first item in to its last answer, per request.",
+            ["pipeline", "step"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.step_batch_size = Histogram(
+            "model_router_pipeline_step_batch_size", "The size of the batch each of a step's items ran in.",
+            ["pipeline", "step"], buckets=BATCH_BUCKETS, registry=self.registry,
+        )
+
+    def observe_pipeline(self, pipeline: str, outcome: str, seconds: float) -> None:
+        self.pipeline_requests.labels(pipeline, outcome).inc()
+        if outcome == "ok":
+            self.pipeline_latency.labels(pipeline).observe(seconds)
+
+    def observe_step(self, pipeline: str, step: str, items: int, seconds: float, batch_sizes: list[int]) -> None:
+        self.step_items.labels(pipeline, step).observe(items)
+        if items:
+            self.step_seconds.labels(pipeline, step).observe(seconds)
+        sizes = self.step_batch_size.labels(pipeline, step)
+        for size in batch_sizes:
+            sizes.observe(size)
 
     def observe_batch(self, model: str, size: int, seconds: float) -> None:
         self.batch_size.labels(model).observe(size)

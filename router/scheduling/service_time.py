@@ -280,7 +280,7 @@ class GateDecision:
 
 def deadline_gate(
     prediction: Prediction | None, budget_s: float, *, idle: bool, gate: HalfOpenGate, now: float,
-    last_sample_at: float | None = None, take_turn: bool = True,
+    last_sample_at: float | None = None, take_turn: bool = True, strict: bool = False,
 ) -> GateDecision:
     """Admit unless the prediction says the answer would come after the deadline.
 
@@ -289,8 +289,13 @@ def deadline_gate(
     being refreshed (no batch finished since `last_sample_at`) still admits one request per
     half-open interval, so the estimate follows reality down as well as up. With `take_turn`
     False the gate is only looked at (an early check before the body is read; the real
-    decision comes after).
+    decision comes after). With `strict` (a pipeline's later step, whose request has spent part
+    of its time already) a prediction that misses refuses even an idle model, and nothing is
+    let through to measure.
     """
+    if strict and prediction is not None and prediction.answer_in_s > budget_s:
+        return GateDecision(False, reason=f"{prediction.explain()}, more than the {budget_s * 1000:.0f} ms left",
+                            retry_after_s=max(1.0, prediction.answer_in_s - budget_s))
     if idle:
         return GateDecision(True, measure=True, reason="idle")
     if prediction is None:

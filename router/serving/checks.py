@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from fnmatch import fnmatch
 from typing import Any
 
-from router.errors import InputError, ModelError, QueueFull, UnsupportedMediaType, clip
+from router.errors import DeadlineExceeded, InputError, ModelError, QueueFull, UnsupportedMediaType, clip
 from router.sdk.plugin import Payload
 from router.serving.deployment import Deployment
 
@@ -19,12 +19,18 @@ _JSON_SCALARS = (str, int, bool, type(None))
 
 def check_deadline_gate(
     deployment: Deployment, budget_s: float, now: float, *, take_turn: bool = True,
-    device_free_at: Mapping[str, float] | None = None,
+    device_free_at: Mapping[str, float] | None = None, must_finish: bool = False,
 ) -> bool:
     """Refuse at once (503) a request that the work already queued and running would push past
     its deadline, rather than queueing it to answer 504 later. Returns whether the request is
-    admitted to measure the model's real answer time (it is then never dropped at dispatch)."""
-    decision = deployment.deadline_gate(budget_s, now, take_turn=take_turn, device_free_at=device_free_at)
+    admitted to measure the model's real answer time (it is then never dropped at dispatch).
+    With `must_finish` (a step of a request that has spent part of its time already) the
+    refusal is the deadline's, 504, and even an idle model refuses what it cannot finish."""
+    decision = deployment.deadline_gate(budget_s, now, take_turn=take_turn, device_free_at=device_free_at,
+                                        strict=must_finish)
+    if not decision.admit and must_finish:
+        raise DeadlineExceeded(f"model {deployment.name!r} cannot answer before the deadline: {decision.reason}; "
+                               "the input was not run")
     if not decision.admit:
         raise QueueFull(
             f"model {deployment.name!r} is overloaded: {decision.reason}; retry later",
@@ -36,8 +42,9 @@ def check_deadline_gate(
 def check_media_type(deployment: Deployment, payload: Payload) -> None:
     accepts = deployment.plugin.cls.accepts
     media = payload.media_type.split(";", 1)[0].strip().lower()
-    if media == "application/octet-stream" and any(a.startswith("image/") for a in accepts):
-        return  # bytes of unknown type: the plugin sniffs the real format
+    images = any(a.startswith("image/") for a in accepts)
+    if images and (payload.pixels is not None or media == "application/octet-stream"):
+        return  # decoded pixels, or bytes of unknown type: the plugin sniffs the real format
     if not any(fnmatch(media, pattern) for pattern in accepts):
         raise UnsupportedMediaType(
             f"model {deployment.name!r} does not accept {clip(media, 80) or 'an empty media type'}; "

@@ -28,7 +28,7 @@ from router.scheduling.service_time import (
 from router.serving.instance import InstanceState, ModelInstance
 from router.serving.registry import PluginInfo
 
-__all__ = ["Deployment", "ModelState", "Residency", "find_deployment"]
+__all__ = ["Deployment", "ModelState", "Pulse", "Residency", "find_deployment"]
 
 #: Expected load time of a model never loaded yet, for residency's urgency.
 DEFAULT_LOAD_S = 1.0
@@ -47,6 +47,21 @@ class ModelState(enum.Enum):
     UNLOADING = "unloading"
     UNLOADED = "unloaded"
     FAILED = "failed"
+
+
+class Pulse:
+    """Wakes everyone waiting at the moment it is pulsed (a one-shot event, renewed each time)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def pulse(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    def next(self) -> asyncio.Event:
+        """The event the next pulse sets: taken before looking, so no pulse falls in between."""
+        return self._event
 
 
 @dataclass
@@ -101,6 +116,10 @@ class Deployment:
     gate: HalfOpenGate = field(default_factory=HalfOpenGate)
     residency: Residency = field(default_factory=Residency)
     generation: int = 1  # a changed model is a new deployment of the same name, one generation on
+    room: Pulse = field(default_factory=Pulse)  # its queue freed room: requests waiting for it look again
+
+    def __post_init__(self) -> None:
+        self.queue.on_room = self.room.pulse
 
     @property
     def on_demand(self) -> bool:
@@ -190,6 +209,7 @@ class Deployment:
 
     def deadline_gate(
         self, budget_s: float, now: float, *, take_turn: bool = True, device_free_at: Mapping[str, float] | None = None,
+        strict: bool = False,
     ) -> GateDecision:
         """Whether a request with `budget_s` until its deadline should be queued now."""
         samples = [i.times.last_sample_at for i in self.instances if i.times.last_sample_at is not None]
@@ -198,7 +218,7 @@ class Deployment:
                                                  for i in self.ready_instances())
         return deadline_gate(self.predict(now, device_free_at=device_free_at), budget_s, idle=idle,
                                 gate=self.gate, now=now, last_sample_at=max(samples, default=None),
-                                take_turn=take_turn)
+                                take_turn=take_turn, strict=strict)
 
     def dispatch_horizon_s(self, instance: Runner, size: int, now: float) -> float:
         """Time from dispatch to answer of a batch of `size` on `instance`, with the deadline gate's margin:

@@ -27,6 +27,7 @@ from router.errors import (
     DeadlineExceeded,
     InstanceLost,
     ModelUnavailable,
+    QueueFull,
     RouterError,
     ShuttingDown,
     outcome_of,
@@ -44,7 +45,7 @@ from router.serving.instance import ModelInstance
 from router.serving.isolation import RemotePlugin
 from router.serving.loading import load_deployment
 from router.serving.phases import trace_execution
-from router.serving.plan import FleetPlan
+from router.serving.plan import FleetPlan, PipelinePlan
 from router.serving.residency_executor import ResidencyExecutor, UnloadReport
 from router.serving.snapshots import DeviceInfo, ModelInfo, device_info, model_info
 from router.serving.telemetry import Telemetry, TelemetryFanout
@@ -229,6 +230,23 @@ class Runtime:
         self._check_open()
         return await self._editor.reload(path or Path(self._editor.plan.source))
 
+    def pipelines(self) -> list[PipelinePlan]:
+        """The pipelines served now (their runner, a front, reads them here: they change at run time)."""
+        return list(self._editor.plan.pipelines.values())
+
+    def pipeline(self, name: str) -> PipelinePlan | None:
+        return self._editor.plan.pipelines.get(name)
+
+    async def put_pipeline(self, name: str, section: Mapping[str, Any],
+                           source: str = "PUT /pipelines") -> tuple[str, PipelinePlan]:
+        """Add or change a pipeline from its fleet-file section: (added | changed | unchanged, its plan)."""
+        self._check_open()
+        return await self._editor.put_pipeline(name, section, f"{source}/{name}")
+
+    async def delete_pipeline(self, name: str) -> None:
+        """Stop serving a pipeline (requests inside it finish)."""
+        await self._editor.delete_pipeline(name)
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def load_all(self) -> None:
@@ -344,15 +362,22 @@ class Runtime:
         request_id: str | None = None,
         received_at: float | None = None,
         trace: Phases | None = None,
+        wait_for_room: bool = False,
+        must_finish: bool = False,
     ) -> Answer:
         """Run one input through a model. Raises a RouterError subclass on any failure.
         The deadline counts from `received_at` (the runtime's clock) when the caller knows it.
-        With `trace` (a sampled request's), each phase of the path is recorded there as it ends."""
+        With `trace` (a sampled request's), each phase of the path is recorded there as it ends.
+        A pipeline's later steps ask for two things more: `wait_for_room`, a full queue is
+        waited on until the deadline (then 504, not run) instead of refused with 503; and
+        `must_finish`, an input predicted to be answered after its deadline is refused with 504
+        without running, even by an idle model (see `check_deadline_gate`)."""
         deployment = self._deployment(model)
         request_id = request_id or uuid.uuid4().hex
         started = self.clock() if received_at is None else min(received_at, self.clock())
         with self._inflight.request(lambda outcome: self._count(deployment, outcome, started)):
-            work = self._submit(deployment, payload, priority, timeout_ms, request_id, started, trace)
+            work = self._submit(deployment, payload, priority, timeout_ms, request_id, started, trace,
+                                wait_for_room, must_finish)
             answer = await (work if trace is None else within_phase(trace, "admission", self.clock, work))
             self.telemetry.observe_answer(deployment.name, self.clock() - started, check_timeout(deployment, timeout_ms))
             return answer
@@ -360,14 +385,18 @@ class Runtime:
     async def _submit(
         self, deployment: Deployment, payload: Payload, priority: int | None,
         timeout_ms: float | None, request_id: str, started: float, trace: Phases | None,
+        wait_for_room: bool, must_finish: bool,
     ) -> Answer:
         self._check_accepting(deployment)
         check_media_type(deployment, payload)
         level = check_priority(deployment, priority)
         deadline = started + check_timeout(deployment, timeout_ms)
         queue = deployment.queue
+        if wait_for_room:
+            await self._room(deployment, deadline, must_finish)
         now = self.clock()
-        measure = check_deadline_gate(deployment, deadline - now, now, device_free_at=self._free_at(now))
+        measure = check_deadline_gate(deployment, deadline - now, now, device_free_at=self._free_at(now),
+                                      must_finish=must_finish)
         queue.reserve_slot(started)
         deployment.residency.hold(now)  # in use: not evicted until answered
         try:
@@ -437,6 +466,26 @@ class Runtime:
         self.telemetry.observe_queue_wait(deployment.name, wait)
         return Answer(request_id, deployment.name, result, wait, ticket.batch_size, ticket.execution_s,
                       ticket.memory_delta_bytes, described)
+
+    async def _room(self, deployment: Deployment, deadline: float, must_finish: bool) -> None:
+        """Wait until the queue has room for one more input; 504 (never run) if the deadline comes
+        first, or, with `must_finish`, as soon as the work ahead already makes it miss."""
+        while True:
+            room = deployment.room.next()
+            now = self.clock()
+            try:
+                deployment.queue.check_room(now)
+                return
+            except QueueFull:
+                if must_finish:
+                    check_deadline_gate(deployment, deadline - now, now, take_turn=False,
+                                        device_free_at=self._free_at(now), must_finish=True)
+                try:
+                    await asyncio.wait_for(room.wait(), max(0.0, deadline - self.clock()))
+                except TimeoutError:
+                    raise DeadlineExceeded(f"deadline passed waiting for room in the queue of model "
+                                           f"{deployment.name!r}; the input was not run") from None
+            self._check_accepting(deployment)
 
     def _free_at(self, now: float) -> dict[str, float]:
         """When each device can next start a batch (now, unless all its batch slots are taken)."""

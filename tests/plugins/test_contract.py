@@ -58,13 +58,15 @@ CASES = {
     "toy": Case({"seed": 3}, lambda _: json_payloads(*({"x": [float(i * k) for k in range(16)]} for i in (1, -2, 3)))),
     "scripted": Case({}, lambda _: json_payloads({"id": "a"}, {"id": "b"}, {"id": "c"})),
     "mean-colour": Case({"decimals": 2}, photos),
+    "boxes": Case({"boxes": [[0, 0, 10, 10, 0.9]]}, photos),
+    "pixels": Case({}, photos),
 }
 
 INSTALLED = sorted(point.name for point in entry_points(group="model_router.plugins"))
 
 
 def test_every_bundled_plugin_is_installed_and_covered() -> None:
-    assert {"yolo", "resnet", "onnx", "tensorrt", "toy", "scripted", "mean-colour"} <= set(INSTALLED)
+    assert {"yolo", "resnet", "onnx", "tensorrt", "toy", "scripted", "mean-colour", "boxes", "pixels"} <= set(INSTALLED)
 
 
 @pytest.mark.parametrize("name", INSTALLED)
