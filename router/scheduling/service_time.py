@@ -38,6 +38,11 @@ __all__ = [
 HALF_LIFE_S = 5.0
 #: Spreads above this many mean deviations are treated as noise when predicting with a margin.
 MARGIN_DEVIATIONS = 2.0
+#: One batch can raise the load factor by at most this ratio over the present factor: a batch that
+#: ran 10^6 times longer than warm-up (a hang, a stall, a warm-up that measured nothing) must not
+#: make the deadline gate refuse everything for minutes, while a real slowdown is still learnt
+#: within a few batches (each may move the factor up by 1.75x).
+OUTLIER_RATIO = 4.0
 #: The least relative spread a margin pads with: even a steady model meets scheduling jitter.
 MIN_SPREAD = 0.05
 #: Above this many batches ahead, prediction uses the instances' combined rate instead of stepping.
@@ -158,8 +163,8 @@ class BatchTime:
         base = self.base_s(n)
         if base <= 0:
             return
-        ratio = seconds / base
         factor, spread = self.factor_at(now)
+        ratio = min(seconds / base, OUTLIER_RATIO * max(factor, 1.0))
         self.spread = 0.75 * spread + 0.25 * abs(ratio - factor) / max(factor, 1e-9)
         self.factor = 0.75 * factor + 0.25 * ratio
         self.updated_at = now

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from litestar import MediaType, Request, Response, get, post
+from litestar.params import FromPath
 
 from router.errors import InputError, brief
 from router.http.kserve.bounded_json import loads_bounded
@@ -50,13 +51,13 @@ def _status_json(regions: list[RegionStatus]) -> list[dict[str, Any]]:
 
 @get(["/systemsharedmemory/status", "/systemsharedmemory/region/{name:str}/status"],
      summary="V2 system shared memory: the registered regions")
-async def system_status(request: Request[Any, Any, Any], name: str | None = None) -> list[dict[str, Any]]:
-    return _status_json(_checked_registry(request).status(name))
+async def system_status(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
+    return _status_json(_checked_registry(request).status(request.path_params.get("name")))
 
 
 @post("/systemsharedmemory/region/{name:str}/register", status_code=200,
       summary="V2 system shared memory: register a region of a POSIX shared memory object under /dev/shm")
-async def system_register(name: str, request: Request[Any, Any, Any]) -> Response[bytes]:
+async def system_register(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[bytes]:
     registry = _checked_registry(request)
     spec = loads_bounded(await request.body(), "the register request", expected='JSON like {"key": ..., "byte_size": ...}')
     if not isinstance(spec, dict):
@@ -73,27 +74,27 @@ async def system_register(name: str, request: Request[Any, Any, Any]) -> Respons
 
 @post(["/systemsharedmemory/unregister", "/systemsharedmemory/region/{name:str}/unregister"], status_code=200,
       summary="V2 system shared memory: unregister one region, or every one")
-async def system_unregister(request: Request[Any, Any, Any], name: str | None = None) -> Response[bytes]:
-    _checked_registry(request).unregister(name)
+async def system_unregister(request: Request[Any, Any, Any]) -> Response[bytes]:
+    _checked_registry(request).unregister(request.path_params.get("name"))
     return _ok()
 
 
 @get(["/cudasharedmemory/status", "/cudasharedmemory/region/{name:str}/status"],
      summary="V2 CUDA shared memory: not supported, so no region is ever registered")
-async def cuda_status(name: str | None = None) -> list[dict[str, Any]]:
-    if name is not None:
+async def cuda_status(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
+    if request.path_params.get("name") is not None:
         raise refuse_cuda()
     return []
 
 
 @post("/cudasharedmemory/region/{name:str}/register", status_code=200, summary="V2 CUDA shared memory: not supported (501)")
-async def cuda_register(name: str) -> Response[bytes]:
+async def cuda_register(name: FromPath[str]) -> Response[bytes]:
     raise refuse_cuda()
 
 
 @post(["/cudasharedmemory/unregister", "/cudasharedmemory/region/{name:str}/unregister"], status_code=200,
       summary="V2 CUDA shared memory: nothing to unregister")
-async def cuda_unregister(name: str | None = None) -> Response[bytes]:
+async def cuda_unregister() -> Response[bytes]:
     return _ok()
 
 
