@@ -37,7 +37,8 @@ gpu-wheels: $(VENV)/.test
 gpu-rehearsal: $(VENV)/.test
 	$(BIN)/python -m gpu_check.rehearsal --wheelhouse .whl
 
-# Every contender on every workload, about 7 minutes on 2 cores; see benchmarks/run.py.
+# Every contender on every workload; see benchmarks/run.py. The last full run (docs/performance.md) spent
+# 920 s on its benchmarks, before the protocol, pipeline and tracing parts were added.
 bench: $(VENV)/.test $(VENV)/.ray $(VENV)/.bench $(DEMO) test-tools
 	$(BIN)/python -m benchmarks.run
 

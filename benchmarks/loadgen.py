@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-__all__ = ["Result", "Target", "main", "summarise"]
+__all__ = ["Pool", "Result", "Target", "exchange", "main", "summarise"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,12 @@ class Pool:
 
 async def send(pool: Pool, target: Target, headers: dict[str, str], timeout_s: float) -> tuple[int, bool]:
     """One request on a pooled keep-alive connection. Returns (status, has Retry-After)."""
+    status, fields, _ = await exchange(pool, target, headers, timeout_s)
+    return status, "retry-after" in fields
+
+
+async def exchange(pool: Pool, target: Target, headers: dict[str, str], timeout_s: float) -> tuple[int, dict[str, str], bytes]:
+    """One request on a pooled keep-alive connection: (status, header fields in lower case, body)."""
     conn = await pool.acquire()
     reader, writer = conn
     extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
@@ -90,9 +96,9 @@ async def send(pool: Pool, target: Target, headers: dict[str, str], timeout_s: f
         lines = raw.decode("latin-1").split("\r\n")
         status = int(lines[0].split(" ", 2)[1])
         fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
-        await asyncio.wait_for(reader.readexactly(int(fields.get("content-length", "0"))), timeout_s)
+        body = await asyncio.wait_for(reader.readexactly(int(fields.get("content-length", "0"))), timeout_s)
         reusable = fields.get("connection", "").lower() != "close"
-        return status, "retry-after" in fields
+        return status, fields, body
     finally:
         pool.release(conn, reusable)
 

@@ -120,7 +120,7 @@ def evaluate(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _scenario_targets(scenarios: dict[str, Any]) -> list[dict[str, Any]]:
-    """The cluster's targets (issue 13) and residency against Ray Serve's multiplexing (issue 11)."""
+    """The cluster's targets (issue 13), residency against Ray Serve's multiplexing (issue 11), pipelines (issue 22)."""
     targets: list[dict[str, Any]] = []
     if "cluster" in scenarios:
         c = scenarios["cluster"]
@@ -136,6 +136,14 @@ def _scenario_targets(scenarios: dict[str, Any]) -> list[dict[str, Any]]:
         targets.append(_target("cluster: four on-demand models, two per replica: served without a load",
                                rr["served_without_load"], 0.95,
                                detail=f"{rr['statuses']} at {rr['throughput_rps']} rps, {rr['replicas_serving']} replicas serving"))
+    if "pipeline" in scenarios:
+        p = scenarios["pipeline"]
+        for other, label in (("client_chain", "the client chain over HTTP (N+1 requests)"),
+                             ("ray_serve", "Ray Serve composition (handles, @serve.batch)")):
+            targets.append(_target(f"pipeline: detect-classify images/s, router / {label}, c=16",
+                                   p["ratios"][f"router_over_{other}"], 1.5,
+                                   detail=f"{p['images_per_s']} images/s; p99 {p['p99_ms']} ms; classifier mean "
+                                          f"batch {p['router'].get('classifier_mean_batch')}"))
     if "multiplex" in scenarios:
         m = scenarios["multiplex"]
         r = m["ratios"]
@@ -197,6 +205,10 @@ def _scenario_runs(scenarios: dict[str, Any]) -> list[tuple[str, str, str, dict[
         p = scenarios["protocols"]
         runs += [("protocols", f"tritonclient {run['protocol']}",
                   f"{run['model']} {key.partition('/')[2]}, c={run['concurrency']}", run) for key, run in p["runs"].items()]
+    if "pipeline" in scenarios:
+        p = scenarios["pipeline"]
+        runs += [("pipeline", system, "detect-classify photos, c=16 (rps = images/s)", p[system])
+                 for system in ("router", "client_chain", "ray_serve")]
     return runs
 
 

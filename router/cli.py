@@ -15,6 +15,7 @@ from router.errors import ConfigError
 from router.http.auth import AccessPolicy, policy_from_settings
 from router.serving.plan import FleetPlan, load_plan
 from router.serving.registry import PluginRegistry
+from router.serving.transforms import TransformRegistry
 from router.tracing import tracing_from_environment
 
 __all__ = ["main"]
@@ -88,13 +89,14 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"model-router: tracing: {tracing.describe()}", file=sys.stderr)
         tracing.shutdown()
     print(json.dumps(plan.describe(), indent=2))
-    print(f"model-router: {plan.source} is valid: {len(plan.models)} model(s) on "
+    pipelines = f", {len(plan.pipelines)} pipeline(s)" if plan.pipelines else ""
+    print(f"model-router: {plan.source} is valid: {len(plan.models)} model(s){pipelines} on "
           f"{len(plan.fleet.devices)} device(s)", file=sys.stderr)
     return 0
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    """Every entry point the router reads: model plugins, exporters, demo files. Exit 1 if any is broken."""
+    """Every entry point the router reads: model plugins, transforms, exporters, demo files. Exit 1 if any is broken."""
     from router.exporting import installed_exporters
     from router.store import demo_files
 
@@ -103,6 +105,13 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         info = registry.get(name)
         print(f"{name}\t{info.distribution or '-'} {info.version or ''}\t{info.cls.__module__}.{info.cls.__qualname__}")
     broken = dict(registry.broken)
+    transforms = TransformRegistry.from_entry_points()
+    for name in transforms.names():
+        transform = transforms.get(name)
+        if transform is not None:
+            where = f"{transform.cls.__module__}.{transform.cls.__qualname__}"
+            print(f"transform {name}\t{transform.distribution or '(built in)'}\t{where}")
+    broken |= {f"transform {name}": reason for name, reason in transforms.broken.items()}
     exporters, demos = installed_exporters(), demo_files()
     for name, exporter in sorted(exporters.entries.items()):
         cls = type(exporter.target)
@@ -230,7 +239,7 @@ def parser() -> argparse.ArgumentParser:
                             "(env MODEL_ROUTER_WORKERS; default auto: a front per core, 1 on 2 cores or fewer)")
     serve.set_defaults(func=cmd_serve)
     check = sub.add_parser("check", help="run every validation `serve` runs (fleet, plugin options and paths, "
-                                         "MODEL_ROUTER_* settings, keys) and print the resolved plan")
+                                         "pipelines, MODEL_ROUTER_* settings, keys) and print the resolved plan")
     check.add_argument("--config", type=Path, help="fleet YAML (env MODEL_ROUTER_CONFIG)")
     check.set_defaults(func=cmd_check)
     reload = sub.add_parser("reload", help="make a running server re-read its fleet file and apply the difference")
@@ -240,7 +249,8 @@ def parser() -> argparse.ArgumentParser:
     target.add_argument("--pid", type=int, help="send SIGHUP to this process instead")
     reload.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the reload")
     reload.set_defaults(func=cmd_reload)
-    plugins = sub.add_parser("plugins", help="list installed plugins, exporters and demo files (exit 1 if any is broken)")
+    plugins = sub.add_parser("plugins", help="list installed plugins, transforms, exporters and demo files "
+                                             "(exit 1 if any is broken)")
     plugins.set_defaults(func=cmd_plugins)
     store = sub.add_parser("store", help="model store tasks")
     store_sub = store.add_subparsers(dest="store_command", required=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -27,6 +28,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from router.devices import check_device_name
 from router.errors import ConfigError, brief, clip
+from router.pipeline_config import PipelineConfig
 
 __all__ = [
     "AutoscalingConfig",
@@ -40,6 +42,7 @@ __all__ = [
     "MemoryConfig",
     "ModelConfig",
     "NodeTypeConfig",
+    "PipelineConfig",
     "QueueConfig",
     "ServerSettings",
     "WarmupConfig",
@@ -322,6 +325,7 @@ class FleetConfig(_Strict):
     allow_absolute_paths: bool = False
     devices: dict[str, DeviceConfig] = Field(default_factory=dict)
     models: dict[str, ModelConfig]
+    pipelines: dict[str, PipelineConfig] = Field(default_factory=dict, description="models chained in one request")
     cluster: ClusterConfig | None = Field(None, description="scale-out on Ray Serve (model-router cluster deploy)")
 
     @field_validator("devices")
@@ -336,12 +340,13 @@ class FleetConfig(_Strict):
     def _model_names(cls, value: dict[str, ModelConfig]) -> dict[str, ModelConfig]:
         if not value:
             raise ValueError("the fleet has no models; add at least one under 'models'")
-        for name in value:
-            if not re.fullmatch(MODEL_NAME_PATTERN, name):
-                raise ValueError(
-                    f"model name {name!r} is not valid; accepted: letters, digits, '_', '.', '-', "
-                    "starting with a letter or digit, at most 64 characters"
-                )
+        _check_names(value, "model")
+        return value
+
+    @field_validator("pipelines")
+    @classmethod
+    def _pipeline_names(cls, value: dict[str, PipelineConfig]) -> dict[str, PipelineConfig]:
+        _check_names(value, "pipeline")
         return value
 
     @model_validator(mode="after")
@@ -366,6 +371,15 @@ class FleetConfig(_Strict):
             if name not in self.models:
                 raise ValueError(f"{key}: no model named {name!r}; models: {', '.join(sorted(self.models))}")
         return self
+
+
+def _check_names(names: Mapping[str, object], what: str) -> None:
+    for name in names:
+        if not re.fullmatch(MODEL_NAME_PATTERN, name):
+            raise ValueError(
+                f"{what} name {name!r} is not valid; accepted: letters, digits, '_', '.', '-', "
+                "starting with a letter or digit, at most 64 characters"
+            )
 
 
 def validation_problems(
@@ -412,7 +426,7 @@ def format_validation_error(error: ValidationError, source: str, schema: type[Ba
 
 
 def _accepted_keys(schema: type[BaseModel], path: tuple[int | str, ...]) -> list[str]:
-    """Field names of the model found by following `path` from `schema` (through dict values)."""
+    """Field names of the model found by following `path` from `schema` (through dict values and list items)."""
     current: Any = schema
     for part in path:
         if isinstance(current, type) and issubclass(current, BaseModel):
@@ -422,6 +436,8 @@ def _accepted_keys(schema: type[BaseModel], path: tuple[int | str, ...]) -> list
             current = field.annotation
         elif get_origin(current) is dict:
             current = get_args(current)[1]
+        elif get_origin(current) is list:
+            current = get_args(current)[0]
         else:
             return []
         if get_origin(current) in (Union, UnionType):

@@ -16,6 +16,7 @@ __all__ = [
     "BatchSizeMismatch",
     "ClientDisconnected",
     "ConfigError",
+    "Conflict",
     "DeadlineExceeded",
     "DeviceOutOfMemory",
     "EngineUnavailable",
@@ -47,6 +48,7 @@ __all__ = [
     "grpc_status",
     "outcome_of",
     "v2_status",
+    "with_detail",
 ]
 
 
@@ -129,6 +131,13 @@ class Unimplemented(RouterError):
 
     status_code = 501
     outcome = "unsupported"
+
+
+class Conflict(RouterError):
+    """An operator's change that would break what depends on it (a model a pipeline uses)."""
+
+    status_code = 409
+    outcome = "conflict"
 
 
 class Overloaded(RouterError):
@@ -253,6 +262,15 @@ def grpc_status(error: RouterError) -> tuple[str, dict[str, str]]:
     if retry is None:
         return code, {}
     return code, {"retry-after": str(max(1, int(retry + 0.999))), "grpc-retry-pushback-ms": str(int(retry * 1000))}
+
+
+def with_detail(error: RouterError, detail: str) -> RouterError:
+    """The same error (class, status, outcome, retry hint) with another detail. A batch's error
+    is shared by all its requests, so an error is never edited in place."""
+    copy = type(error).__new__(type(error))
+    RouterError.__init__(copy, detail, headers=error.headers)
+    copy.retry_after_s = error.retry_after_s
+    return copy
 
 
 def outcome_of(error: BaseException) -> str:

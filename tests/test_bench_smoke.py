@@ -62,3 +62,25 @@ def test_the_protocol_comparison_renders_in_the_table() -> None:
         "ratios": {"jpeg": {"throughput_grpc_over_http": 1.0, "p99_grpc_over_http": 1.0}}}}}
     table = render(results)
     assert "tritonclient grpc" in table and "tritonclient http" in table and "resnet18 jpeg#0, c=4" in table
+
+
+def test_the_pipeline_scenario_renders_and_its_client_chain_cuts_what_the_router_cuts() -> None:
+    import simplejpeg
+
+    from benchmarks.pipeline_chain import cut_and_encode
+    from router.sdk.crop import CropOptions
+    from router.sdk.images import example_jpeg
+
+    detections = [{"box": [0, 0, 40, 30], "score": 0.9}, {"box": [50, 10, 90, 70], "score": 0.5}]
+    crops = cut_and_encode(example_jpeg(120, 80).body, detections, CropOptions(max_items=1))
+    assert [simplejpeg.decode_jpeg(c).shape for c in crops] == [(30, 40, 3)]  # the top-scoring one only
+    run = {"requests": 2, "statuses": {"200": 2}, "throughput_rps": 1.0, "goodput_rps": 1.0,
+           "ok_ms": {"p50": 1.0, "p90": 1.0, "p99": 1.0}}
+    scenario = {"router": {**run, "classifier_mean_batch": 6.0}, "client_chain": {**run, "throughput_rps": 0.5},
+                "ray_serve": run, "images_per_s": {"router": 1.0, "client_chain": 0.5, "ray_serve": 1.0},
+                "p99_ms": {"router": 1.0, "client_chain": 1.0, "ray_serve": 1.0},
+                "ratios": {"router_over_client_chain": 2.0, "router_over_ray_serve": 1.0}}
+    results = {"deadline_s": 1.0, "workloads": {}, "scenarios": {"pipeline": scenario}}
+    results["targets"] = evaluate(results)
+    assert [t["met"] for t in results["targets"]] == [True, False]
+    assert "client_chain" in render(results)

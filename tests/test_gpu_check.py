@@ -57,6 +57,15 @@ def test_plan_leaves_the_machine_its_packages_and_says_why_others_stay_behind() 
     assert chosen.warnings == [] and chosen.missing == []
 
 
+def test_plan_carries_what_the_router_needs_newer_than_the_machine_may_have(monkeypatch: pytest.MonkeyPatch) -> None:
+    tree, missing = wheelhouse.walk(["app"], lookup_of(DISTS), ENV)
+    device = {"anyio": None, "numpy": "2.5.2", "uvloop": None, "opencv-python-headless": None}
+    monkeypatch.setattr(wheelhouse, "CARRIED_OVER_THE_MACHINES", {"numpy": "a release at least this new"})
+    chosen = wheelhouse.plan(tree, device, missing)
+    assert [p.name for p in chosen.carried] == ["app", "numpy", "web"]
+    assert [p.name for p in chosen.device_side] == ["anyio", "uvloop"]
+
+
 def test_plan_warns_where_a_known_version_on_the_machine_does_not_meet_a_requirement() -> None:
     tree, _ = wheelhouse.walk(["app"], lookup_of(DISTS), ENV)
     chosen = wheelhouse.plan(tree, {"numpy": "1.26.4", "anyio": None, "uvloop": None})

@@ -21,6 +21,8 @@ from router.config import BatchPolicy
 from router.scheduling.queue import ModelQueue, Ticket
 from router.scheduling.service_time import (
     HALF_LIFE_S,
+    MARGIN_DEVIATIONS,
+    OUTLIER_RATIO,
     BatchTime,
     DecayingTotal,
     GateDecision,
@@ -72,6 +74,18 @@ def test_slow_batches_raise_the_load_factor_and_it_decays_back_without_samples()
     assert factor > 2.8
     later, _ = times.factor_at(1.9 + 4 * HALF_LIFE_S)
     assert later == pytest.approx(1.0 + (factor - 1.0) / 16)
+
+
+def test_one_hung_batch_moves_the_load_factor_a_bounded_step_and_a_real_slowdown_is_still_learnt() -> None:
+    times = seeded(0.1, 0.01)  # a batch of 8 takes 0.18 s
+    times.observe(8, 0.18 * 1_000_000, now=1.0)  # a hang: a million times warm-up
+    factor, _ = times.factor_at(1.0)
+    assert factor == pytest.approx(0.75 + 0.25 * OUTLIER_RATIO)
+    assert times.seconds(8, now=1.0, margin=MARGIN_DEVIATIONS) < 2.0  # not minutes of refusals
+    slow = seeded(0.1, 0.01)
+    for step in range(20):  # the device really runs ten times slower now
+        slow.observe(8, 1.8, now=1.0 + step / 10)
+    assert slow.factor_at(2.9)[0] == pytest.approx(10.0, rel=0.05)
 
 
 def test_fresh_fast_batches_bring_the_estimate_down_at_once() -> None:

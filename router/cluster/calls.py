@@ -30,7 +30,9 @@ class RayCalls:
     async def predict(self, node_type: str, call: PredictCall, avoid: tuple[str, ...], wait_s: float) -> Reply:
         handle = self._devices[node_type].options(multiplexed_model_id=call.model)
         response = handle.predict.remote(call.model, call.body, call.media_type, call.filename, priority=call.priority,
-                                         timeout_ms=call.timeout_ms, request_id=call.request_id, avoid=avoid)
+                                         timeout_ms=call.timeout_ms, request_id=call.request_id, avoid=avoid,
+                                         pixels=call.pixels, wait_for_room=call.wait_for_room,
+                                         must_finish=call.must_finish)
         try:
             reply: Reply = await asyncio.wait_for(_result(response), wait_s)
         except TimeoutError:

@@ -2,7 +2,9 @@
 
 It has `Runtime`'s verbs and snapshots (`router.serving.facade.ServingFacade`), so the Litestar
 app (native API, KServe V2, auth, limits, request ids, metrics) serves a cluster unchanged.
-`submit` sends a request to a device replica through `ReplicaCalls` (Ray deployment handles in
+Pipelines (the fleet file's) are run by the front's pipeline runner, each step's input sent to
+a replica like any request, its decoded pixels with it. `submit` sends a request to a device
+replica through `ReplicaCalls` (Ray deployment handles in
 production, `router.cluster.calls`); Ray's request router picks the replica (`ray_router`). A
 replica that refuses before running anything (queue full, predicted deadline miss, shutting
 down, no room) is avoided and another is tried while the deadline allows; the client gets the
@@ -31,6 +33,7 @@ from router.errors import DeadlineExceeded, InputError, ModelNotFound, ModelUnav
 from router.sdk.plugin import Payload
 from router.serving.editor import ReloadReport
 from router.serving.inflight import InFlight
+from router.serving.plan import PipelinePlan, plan_pipeline
 from router.serving.residency_executor import UnloadReport
 from router.serving.rules import ModelFigures, Refusal, Terms, admit
 from router.serving.runtime import Answer
@@ -48,7 +51,7 @@ GRACE_S = 2.0
 
 @dataclass(frozen=True)
 class PredictCall:
-    """One request as a device replica takes it."""
+    """One request as a device replica takes it (a pipeline's step: decoded pixels, and how it waits)."""
 
     model: str
     body: bytes
@@ -57,6 +60,9 @@ class PredictCall:
     priority: int | None
     timeout_ms: float
     request_id: str
+    pixels: Any = None  # a numpy array: Ray moves it through its object store
+    wait_for_room: bool = False
+    must_finish: bool = False
 
 
 class ReplicaCalls(Protocol):
@@ -78,6 +84,7 @@ class ClusterRuntime:
         self.clock = clock
         self.telemetry = TelemetryFanout()
         self.policies = copy_policies(fleet)
+        self._pipelines = {name: plan_pipeline(name, fleet.pipelines) for name in fleet.pipelines}  # checked at deploy
         self._types = {m: [t for t in self.cluster.node_types if m in served_models(fleet, t)] for m in fleet.models}
         self.reports: list[ReplicaReport] = []
         self.requests: dict[str, Counter[str]] = {m: Counter() for m in fleet.models}
@@ -195,17 +202,20 @@ class ClusterRuntime:
 
     async def submit(self, model: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
                      request_id: str | None = None, received_at: float | None = None,
-                     trace: Phases | None = None) -> Answer:
-        """With `trace`, the whole stay on a replica (its queue, batch and hooks) is one phase, "replica"."""
+                     trace: Phases | None = None, wait_for_room: bool = False, must_finish: bool = False) -> Answer:
+        """With `trace`, the whole stay on a replica (its queue, batch and hooks) is one phase, "replica".
+        `wait_for_room` and `must_finish` (a pipeline's later steps) go to the replica with the input."""
         config = self._config(model)
         started = self.clock() if received_at is None else min(received_at, self.clock())
         with self._inflight.request(lambda outcome: self._count(model, outcome, started)):
-            admission = admit(Terms(model, started, priority, timeout_ms), self._figures(model, config), self.clock())
-            work = self._route(model, config, payload, priority, request_id or uuid.uuid4().hex, admission.deadline)
+            terms = Terms(model, started, priority, timeout_ms, must_finish=must_finish)
+            admission = admit(terms, self._figures(model, config), self.clock())
+            how = {"wait_for_room": wait_for_room, "must_finish": must_finish}
+            work = self._route(model, config, payload, priority, request_id or uuid.uuid4().hex, admission.deadline, how)
             return await (work if trace is None else within_phase(trace, "replica", self.clock, work))
 
     async def _route(self, model: str, config: ModelConfig, payload: Payload, priority: int | None, request_id: str,
-                     deadline: float) -> Answer:
+                     deadline: float, how: Mapping[str, bool]) -> Answer:
         """Try replicas until one takes the request: a refusal made before anything ran moves on."""
         avoid: list[str] = []
         refusal: ErrorReply | None = None
@@ -215,7 +225,7 @@ class ClusterRuntime:
                 if left_s <= 0:
                     break
                 call = PredictCall(model, payload.body, payload.media_type, payload.filename, priority,
-                                   left_s * 1000, request_id)
+                                   left_s * 1000, request_id, payload.pixels, **how)
                 wait_s = left_s + config.execution.timeout_ms / 1000 + GRACE_S
                 reply = await self.calls.predict(node_type, call, tuple(avoid), wait_s)
                 if reply.answer is not None:
@@ -262,6 +272,21 @@ class ClusterRuntime:
         raise InputError(_REDEPLOY)
 
     async def reload(self, path: Path | None = None) -> ReloadReport:
+        raise InputError(_REDEPLOY)
+
+    # -- pipelines: the fleet file's, run by the front's pipeline runner through `submit` ------------
+
+    def pipelines(self) -> list[PipelinePlan]:
+        return list(self._pipelines.values())
+
+    def pipeline(self, name: str) -> PipelinePlan | None:
+        return self._pipelines.get(name)
+
+    async def put_pipeline(self, name: str, section: Mapping[str, Any],
+                           source: str = "PUT /pipelines") -> tuple[str, PipelinePlan]:
+        raise InputError(_REDEPLOY)
+
+    async def delete_pipeline(self, name: str) -> None:
         raise InputError(_REDEPLOY)
 
 

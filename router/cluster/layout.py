@@ -58,7 +58,8 @@ def replica_fleet(fleet: FleetConfig, node_type: str) -> FleetConfig:
                                                     "required": False})
         for name in served_models(fleet, node_type)
     }
-    return fleet.model_copy(update={"devices": {device: base}, "models": models, "cluster": None})
+    # Pipelines run in the fronts; a replica serves their steps as models.
+    return fleet.model_copy(update={"devices": {device: base}, "models": models, "cluster": None, "pipelines": {}})
 
 
 def copy_policies(fleet: FleetConfig) -> dict[str, CopyPolicy]:

@@ -51,15 +51,16 @@ from router.host.messages import (
 from router.host.messages import Terms as TermsMessage
 from router.host.packing import Packer, unpack
 from router.host.stream import EngineStream, handshake
-from router.host.verbs import call_args, decode_result
+from router.host.verbs import call_args, decode_result, pipeline_from_wire
 from router.scheduling.queue import BatchFacts
 from router.sdk.plugin import Payload
 from router.serving.checks import check_answer, check_media_type
 from router.serving.editor import ReloadReport
 from router.serving.inflight import InFlight
 from router.serving.phases import trace_execution
+from router.serving.plan import PipelinePlan
 from router.serving.residency_executor import UnloadReport
-from router.serving.rules import Terms, admit
+from router.serving.rules import Terms, admit, budget_s
 from router.serving.runtime import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
 from router.serving.telemetry import Telemetry, TelemetryFanout
@@ -89,6 +90,7 @@ class EngineClient:
         self.arena = Arena.create(f"model-router-requests-{front}", arena_bytes)
         self._packer = Packer(self.arena)
         self._fleet = FrontModels()
+        self._pipelines: dict[str, PipelinePlan] = {}  # as the engine last described them (`Models`)
         self._inflight = InFlight()
         self._preparing: Counter[str] = Counter()  # requests prepared here, not yet sent
         self._exchanges = Exchanges(self.arena, clock)
@@ -168,6 +170,8 @@ class EngineClient:
         elif isinstance(message, Models):
             for model in self._fleet.update(message.models):
                 self._spawn(self._fleet.adopt(model), f"adopt-{model.name}")
+            wires = msgspec.msgpack.decode(message.pipelines) if message.pipelines else []
+            self._pipelines = {wire["name"]: pipeline_from_wire(wire) for wire in wires}
         elif isinstance(message, Snapshot):
             self._raw_snapshot, self._snapshot = message, None
             self._synced.set()
@@ -240,9 +244,10 @@ class EngineClient:
             raise self._not_found(name)
         return model
 
-    def _screen(self, model: FrontModel, terms: Terms) -> float:
+    def _screen(self, model: FrontModel, terms: Terms, *, wait_for_room: bool = False) -> float:
         """The engine's rules on the board's figures, taking nothing: refusals without a round trip.
-        Returns the request's deadline."""
+        Returns the request's deadline. A request that waits for room is left to the engine (it
+        waits there, where the room is freed)."""
         board = self._board
         if board is None or self._stream is None:
             raise engine_gone()
@@ -250,7 +255,10 @@ class EngineClient:
             raise ShuttingDown("server is shutting down; retry on another replica", retry_after_s=5.0)
         read = board.figures(model.entry.slot, model.name)
         if read is not None:
-            return admit(terms, read[1], self.clock(), pending=self._preparing[model.name]).deadline
+            figures = read[1]
+            if wait_for_room:
+                return min(terms.received_at, self.clock()) + budget_s(figures, terms.timeout_ms)
+            return admit(terms, figures, self.clock(), pending=self._preparing[model.name]).deadline
         limit = model.entry.queue_timeout_ms  # not on the board yet: the engine decides
         return terms.received_at + (min(terms.timeout_ms, limit) if terms.timeout_ms else limit) / 1000
 
@@ -269,37 +277,40 @@ class EngineClient:
 
     async def submit(self, model: str, payload: Payload, *, priority: int | None = None,
                      timeout_ms: float | None = None, request_id: str | None = None,
-                     received_at: float | None = None, trace: Phases | None = None) -> Answer:
+                     received_at: float | None = None, trace: Phases | None = None,
+                     wait_for_room: bool = False, must_finish: bool = False) -> Answer:
         """With `trace` (a sampled request's), its phases here (admission, preprocess, queue wait,
-        execute from the engine's batch facts, linked to the engine's batch span, postprocess)."""
+        execute from the engine's batch facts, linked to the engine's batch span, postprocess).
+        `wait_for_room` and `must_finish` (a pipeline's later steps, `Runtime.submit`) go to the
+        engine with the request; such a request is not refused here for a full queue."""
         front = self._model(model)
         request_id = request_id or uuid.uuid4().hex
         started = self.clock() if received_at is None else min(received_at, self.clock())
-        terms = Terms(model, started, priority, timeout_ms)
+        terms = Terms(model, started, priority, timeout_ms, must_finish=must_finish)
         with self._inflight.request(lambda outcome: self._count(model, outcome, started)):
-            work = self._submit(front, terms, payload, request_id, trace)
+            work = self._submit(front, terms, payload, request_id, trace, wait_for_room)
             answer, deadline = await (work if trace is None else within_phase(trace, "admission", self.clock, work))
             self.telemetry.observe_answer(model, self.clock() - started, deadline - started)
             return answer
 
     async def _submit(self, front: FrontModel, terms: Terms, payload: Payload, request_id: str,
-                      trace: Phases | None) -> tuple[Answer, float]:
-        deadline = self._screen(front, terms)
+                      trace: Phases | None, wait_for_room: bool = False) -> tuple[Answer, float]:
+        deadline = self._screen(front, terms, wait_for_room=wait_for_room)
         if front.accepts:  # else the engine, which has the plugin, checks
             check_media_type(front.name, front.accepts, payload)
         if front.prepares_here:
             try:
-                return await self._prepared(front, terms, deadline, payload, request_id, trace), deadline
+                return await self._prepared(front, terms, deadline, payload, request_id, trace, wait_for_room), deadline
             except ModelChanged:  # a new version serves: prepared again, in the engine
                 pass
             except _FrontHookFailed as failed:  # prepared again in the engine: if that works, from now on
-                answer = await self._whole(front, terms, deadline, payload, request_id, trace)
+                answer = await self._whole(front, terms, deadline, payload, request_id, trace, wait_for_room)
                 self._fleet.serve_from_engine(front, failed.hook, failed.error)
                 return answer, deadline
-        return await self._whole(front, terms, deadline, payload, request_id, trace), deadline
+        return await self._whole(front, terms, deadline, payload, request_id, trace, wait_for_room), deadline
 
     async def _prepared(self, front: FrontModel, terms: Terms, deadline: float, payload: Payload,
-                        request_id: str, trace: Phases | None) -> Answer:
+                        request_id: str, trace: Phases | None, wait_for_room: bool = False) -> Answer:
         """Preprocess here, the batch in the engine, postprocess here."""
         plugin, name = front.plugin, front.name
         assert plugin is not None
@@ -313,7 +324,7 @@ class EngineClient:
         finally:
             self._preparing[name] -= 1
         reply, queued_at = await self._exchange(front, terms, deadline, request_id, len(payload.body), trace,
-                                                item=packed)
+                                                item=packed, wait_for_room=wait_for_room)
         assert reply.output is not None and reply.facts is not None
         if trace is not None:
             trace_execution(trace, batch_facts(reply.facts), self.clock())
@@ -338,12 +349,17 @@ class EngineClient:
                       plugin.describe_input(payload, item))
 
     async def _whole(self, front: FrontModel, terms: Terms, deadline: float, payload: Payload,
-                     request_id: str, trace: Phases | None) -> Answer:
-        """Hooks in the engine: the raw body there, the final answer back."""
+                     request_id: str, trace: Phases | None, wait_for_room: bool = False) -> Answer:
+        """Hooks in the engine: the raw body (and a pipeline's decoded pixels) there, the final answer back."""
         body, packing = self._packer.pack(payload.body)
-        ref = PayloadRef(payload.media_type, payload.filename, body)
+        offsets = list(packing.offsets)
+        pixels = None
+        if payload.pixels is not None:
+            pixels, pixel_packing = self._packer.pack(payload.pixels)
+            offsets += pixel_packing.offsets
+        ref = PayloadRef(payload.media_type, payload.filename, body, pixels)
         reply, _ = await self._exchange(front, terms, deadline, request_id, len(payload.body), trace, payload=ref,
-                                        offsets=packing.offsets)
+                                        offsets=offsets, wait_for_room=wait_for_room)
         assert reply.answer is not None and reply.facts is not None
         facts = reply.facts
         wait = facts.queue_wait_s  # the engine's, as it measured it (it ran the hooks around it)
@@ -362,11 +378,13 @@ class EngineClient:
 
     async def _exchange(self, front: FrontModel, terms: Terms, deadline: float, request_id: str, input_bytes: int,
                         trace: Phases | None, *, item: tuple[Packed, list[int]] | None = None,
-                        payload: PayloadRef | None = None, offsets: list[int] | None = None) -> tuple[Reply, float]:
+                        payload: PayloadRef | None = None, offsets: list[int] | None = None,
+                        wait_for_room: bool = False) -> tuple[Reply, float]:
         """One Submit, its one Reply (`Exchanges.submit`), and when it was handed to the engine."""
         exchanges = self._exchanges
         submit = Submit(exchanges.number(), TermsMessage(terms.model, terms.received_at, terms.priority,
-                                                         terms.timeout_ms, terms.items),
+                                                         terms.timeout_ms, terms.items, terms.must_finish,
+                                                         wait_for_room),
                         request_id, front.entry.generation, input_bytes, item[0] if item else None, payload,
                         span_bytes(trace.ref) if trace is not None else None)
         work = exchanges.submit(submit, item[1] if item else offsets or [], deadline,
@@ -413,6 +431,26 @@ class EngineClient:
 
     async def reload(self, path: Path | None = None) -> ReloadReport:
         return await self._call("reload", path=str(path) if path else None)  # type: ignore[no-any-return]
+
+    # Pipelines: the engine's editor holds their definitions; this front's pipeline runner runs
+    # them through `submit`, reading the definitions the engine last sent.
+
+    def pipelines(self) -> list[PipelinePlan]:
+        return list(self._pipelines.values())
+
+    def pipeline(self, name: str) -> PipelinePlan | None:
+        return self._pipelines.get(name)
+
+    async def put_pipeline(self, name: str, section: Mapping[str, Any],
+                           source: str = "PUT /pipelines") -> tuple[str, PipelinePlan]:
+        outcome, wire = await self._call("put_pipeline", name=name, section=dict(section), source=source)
+        plan = pipeline_from_wire(wire)
+        self._pipelines[plan.name] = plan  # served here at once; `Models` confirms it
+        return outcome, plan
+
+    async def delete_pipeline(self, name: str) -> None:
+        await self._call("delete_pipeline", name=name)
+        self._pipelines.pop(name, None)
 
     def begin_drain(self) -> None:
         """Refuse new requests here at once, and have the engine refuse them everywhere."""

@@ -202,11 +202,14 @@ class EngineServer:
     def _submit(self, link: FrontLink, submit: Submit, item: Any, turn: Turn) -> None:
         pending = Pending(link, submit.id)
         link.requests[submit.id] = pending
-        terms = Terms(submit.terms.model, submit.terms.received_at, submit.terms.priority, submit.terms.timeout_ms,
-                      submit.terms.items)
+        sent = submit.terms
+        terms = Terms(sent.model, sent.received_at, sent.priority, sent.timeout_ms, sent.items, sent.must_finish)
         if submit.payload is not None:
             pending.engine_hooks = True
             pending.task = self._spawn(self._whole(pending, submit), f"request-{submit.request_id}")
+            return
+        if sent.wait_for_room:  # a pipeline's later step: waits here for room in a full queue
+            pending.task = self._spawn(self._after_room(pending, submit, item, terms), f"room-{submit.request_id}")
             return
         try:
             pending.accepted = turn.admit(terms, generation=submit.generation)
@@ -227,6 +230,22 @@ class EngineServer:
             self.runtime.intake.unreserve(pending.accepted)
             self.failed(pending, exc)
 
+    async def _after_room(self, pending: Pending, submit: Submit, item: Any, terms: Terms) -> None:
+        """Wait for room in the model's queue (`Runtime.until_room`), then admit and queue."""
+        try:
+            await self.runtime.until_room(self.runtime.intake.deployment(terms.model, submit.generation), terms)
+            pending.accepted = self.runtime.intake.admit(terms, generation=submit.generation)
+        except RouterError as exc:
+            self._answer(pending, Outgoing(submit.id, failure=Failure.of(exc)))
+            return
+        except asyncio.CancelledError:
+            self._answer(pending, Outgoing(submit.id, failure=Failure.of(ClientDisconnected("cancelled"))))
+            return
+        if not pending.accepted.deployment.serving:
+            await self._cold(pending, submit, item)
+            return
+        self._enqueue(pending, submit, item)
+
     async def _cold(self, pending: Pending, submit: Submit, item: Any) -> None:
         """A request for a model that is not loaded waits for its load, then queues."""
         assert pending.accepted is not None
@@ -245,11 +264,13 @@ class EngineServer:
         assert submit.payload is not None
         ref = submit.payload
         body = unpack(ref.body, pending.link.request_arena)
+        pixels = unpack(ref.pixels, pending.link.request_arena) if ref.pixels is not None else None
         terms = submit.terms
         try:
             answer = await self.runtime.submit(
-                terms.model, Payload(bytes(body), ref.media_type, ref.filename), priority=terms.priority,
-                timeout_ms=terms.timeout_ms, request_id=submit.request_id, received_at=terms.received_at)
+                terms.model, Payload(bytes(body), ref.media_type, ref.filename, pixels=pixels), priority=terms.priority,
+                timeout_ms=terms.timeout_ms, request_id=submit.request_id, received_at=terms.received_at,
+                wait_for_room=terms.wait_for_room, must_finish=terms.must_finish)
         except RouterError as exc:
             self._answer(pending, Outgoing(submit.id, failure=Failure.of(exc)))
             return
@@ -263,7 +284,7 @@ class EngineServer:
     def _cancel(self, pending: Pending, error: RouterError) -> None:
         """Withdraw a queued ticket (answered with `error`), or cancel the request's task; a running
         batch is left to finish."""
-        if pending.task is not None:
+        if pending.task is not None and not pending.task.done():
             pending.task.cancel()
         elif pending.ticket is not None and pending.accepted is not None and \
                 self.runtime.intake.withdraw(pending.accepted, pending.ticket):
@@ -310,12 +331,12 @@ class EngineServer:
 
     async def _call(self, link: FrontLink, call: Call) -> None:
         reply = await run_call(self.runtime, call, self.news)
-        # The board first: once a front has the reply (a model loaded, say), every front's next
-        # request reads the figures that follow from it, not the ones before.
-        self.news.publish_board(self.epoch)
+        # The news first: once a front has the reply (a model loaded, a pipeline added), every
+        # front's next request reads the board and the fleet that follow from it, not the ones before.
+        self.news.changed()
+        self._send_news()
         if link.alive:
             self.writer.put(link, [Outgoing(message=reply)])
-        self.news.changed()
 
     # -- what the fronts read -------------------------------------------------------------------
 
@@ -330,11 +351,14 @@ class EngineServer:
     async def _news_loop(self) -> None:
         """`Models` when the fleet changes, `Snapshot` after any change or every half second."""
         while True:
-            models, snapshot = self.news.due()
-            if models or snapshot:
-                self.news.publish_board(self.epoch)  # first: a front that reads the change finds the board agreeing
-            for link in list(self.links.values()):
-                items = ([Outgoing(message=models)] if models else []) + ([Outgoing(message=snapshot)] if snapshot else [])
-                if items:
-                    self.writer.put(link, items)
+            self._send_news()
             await asyncio.sleep(0.05)
+
+    def _send_news(self) -> None:
+        models, snapshot = self.news.due()
+        if models or snapshot:
+            self.news.publish_board(self.epoch)  # first: a front that reads the change finds the board agreeing
+        for link in list(self.links.values()):
+            items = ([Outgoing(message=models)] if models else []) + ([Outgoing(message=snapshot)] if snapshot else [])
+            if items:
+                self.writer.put(link, items)

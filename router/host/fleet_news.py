@@ -14,6 +14,7 @@ import msgspec
 
 from router.host.board import MAX_MODELS, BoardWriter
 from router.host.messages import Lags, ModelEntry, Models, Snapshot
+from router.host.verbs import pipeline_wire
 from router.serving.deployment import Deployment
 from router.serving.intake import SHUTTING_DOWN
 from router.serving.runtime import Runtime
@@ -75,7 +76,8 @@ class FleetNews:
                 deployment.options.model_dump_json().encode(), deployment.generation, str(fleet.model_store),
                 fleet.allow_absolute_paths, bool(getattr(cls, "preprocess_needs_model", False)) or state == b"",
                 deployment.config.queue.timeout_ms, deployment.config.execution.timeout_ms, state or None))
-        return Models(tuple(entries))
+        pipelines = msgspec.msgpack.encode([pipeline_wire(plan) for plan in self.runtime.pipelines()])
+        return Models(tuple(entries), pipelines)
 
     # -- Snapshot -------------------------------------------------------------------------------
 
@@ -93,7 +95,8 @@ class FleetNews:
         """What to send now: `Models` if the fleet or a front state changed, a `Snapshot` if a
         model's state, queue depth or running batches changed or half a second passed."""
         deployments = list(self.runtime.deployments.values())
-        models_key = tuple((d.name, d.generation, self._front_state(d) is not None) for d in deployments)
+        models_key = (tuple((d.name, d.generation, self._front_state(d) is not None) for d in deployments),
+                      tuple(self.runtime.pipelines()))
         models = None
         if models_key != self._sent_models:
             self._sent_models = models_key

@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                      access_policy=policy, body_timeout_s=settings.body_timeout_s, max_items=settings.max_items,
                      trim_memory=settings.trim_memory, shared_memory=shared_memory, listeners=listeners,
                      tracing=tracing)
-    client.request_counts = app.state.metrics.request_counts
+    client.request_counts = app.state.metrics.request_counts  # /models shows every front's counts
+    app.state.pipelines.counts = app.state.metrics.pipeline_counts
     sock = listening_socket(settings.host, settings.port)
     run_server(app, client, settings, sockets=[sock],
                max_connections=max(1, math.ceil(settings.max_connections / args.workers)))

@@ -47,6 +47,8 @@ class Terms(msgspec.Struct, frozen=True, array_like=True, gc=False):
     priority: int | None = None
     timeout_ms: float | None = None
     items: int = 1
+    must_finish: bool = False  # a pipeline's later step (`router.serving.rules.Terms.must_finish`)
+    wait_for_room: bool = False  # ... which waits for room in a full queue instead of a 503
 
 
 class PayloadRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -55,6 +57,7 @@ class PayloadRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
     media_type: str
     filename: str | None
     body: Packed
+    pixels: Packed | None = None  # a pipeline's decoded image (`Payload.pixels`), through the arena too
 
 
 class Failure(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -165,6 +168,7 @@ class Welcome(_Message):
 
 class Models(_Message):
     models: tuple[ModelEntry, ...]
+    pipelines: bytes = b""  # the pipelines served (msgpack, `router.host.verbs.pipeline_wire` each)
 
 
 class Reply(_Message):

@@ -14,12 +14,14 @@ import msgspec
 
 from router.errors import ConfigError, RouterError
 from router.host.messages import Call, CallReply, Failure
+from router.pipeline_config import PipelineConfig
 from router.serving.editor import ReloadReport
+from router.serving.plan import PipelinePlan
 from router.serving.residency_executor import UnloadReport
 from router.serving.runtime import Runtime
 from router.serving.snapshots import ModelInfo
 
-__all__ = ["RESULT_TYPES", "call_args", "run_call"]
+__all__ = ["RESULT_TYPES", "call_args", "pipeline_from_wire", "pipeline_wire", "run_call"]
 
 log = logging.getLogger("router.host.verbs")
 #: What each verb returns, to decode its result on the front's side.
@@ -30,8 +32,20 @@ RESULT_TYPES: Final[dict[str, Any]] = {
     "put": tuple[str, ModelInfo],
     "delete": None,
     "reload": ReloadReport,
+    "put_pipeline": tuple[str, dict[str, Any]],  # (outcome, `pipeline_wire`)
+    "delete_pipeline": None,
     "begin_drain": None,
 }
+
+
+def pipeline_wire(plan: PipelinePlan) -> dict[str, Any]:
+    """A pipeline's plan as plain data, for a message."""
+    return {"name": plan.name, "config": plan.config.model_dump(mode="json"), "models": list(plan.models),
+            "entry": plan.entry}
+
+
+def pipeline_from_wire(data: dict[str, Any]) -> PipelinePlan:
+    return PipelinePlan(data["name"], PipelineConfig.model_validate(data["config"]), tuple(data["models"]), data["entry"])
 
 
 def call_args(**kwargs: Any) -> bytes:
@@ -67,6 +81,12 @@ async def _run(runtime: Runtime, verb: str, args: dict[str, Any]) -> Any:
         return None
     if verb == "reload":
         return await runtime.reload(Path(args["path"]) if args.get("path") else None)
+    if verb == "put_pipeline":
+        outcome, plan = await runtime.put_pipeline(args["name"], args["section"], args.get("source", "PUT /pipelines"))
+        return outcome, pipeline_wire(plan)
+    if verb == "delete_pipeline":
+        await runtime.delete_pipeline(args["name"])
+        return None
     if verb == "begin_drain":
         runtime.begin_drain()
         return None

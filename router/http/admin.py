@@ -3,8 +3,10 @@
     POST   /models/{name}/load     load now and keep resident until unloaded
     POST   /models/{name}/unload   unload now (queued requests get 503) and keep out until loaded
     PUT    /models/{name}          add or change a model: its fleet-file section as JSON or YAML
-    DELETE /models/{name}          answer what it accepted, unload, forget
+    DELETE /models/{name}          answer what it accepted, unload, forget (409 while a pipeline uses it)
     POST   /admin/reload           re-read the fleet file and apply the difference (as SIGHUP)
+
+Pipelines have theirs beside them (router.http.pipelines): PUT and DELETE /pipelines/{name}.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from router.http.auth import Access
 from router.http.kserve.bounded_json import loads_bounded
 from router.http.request_state import runtime_of
 
-__all__ = ["ADMIN_ROUTES"]
+__all__ = ["ADMIN", "ADMIN_ROUTES", "fleet_section"]
 
 ADMIN = {"access": Access.ADMIN}
 MAX_SECTION_BYTES = 1 << 20
@@ -41,7 +43,7 @@ async def unload_model(name: FromPath[str], request: Request[Any, Any, Any]) -> 
 
 @put("/models/{name:str}", summary="Add or change a model from its fleet-file section (JSON or YAML)", opt=ADMIN)
 async def put_model(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
-    section = _section(await request.body(), request.headers.get("content-type", ""))
+    section = fleet_section(await request.body(), request.headers.get("content-type", ""))
     try:
         outcome, info = await runtime_of(request).put_model(name, section)
     except ConfigError as exc:
@@ -64,13 +66,13 @@ async def reload_fleet(request: Request[Any, Any, Any]) -> dict[str, Any]:
     return asdict(report)
 
 
-def _section(body: bytes, media_type: str) -> dict[str, Any]:
-    """A model's section from JSON or YAML (YAML is a superset: either parses)."""
+def fleet_section(body: bytes, media_type: str, what: str = "model", example: str = '{"plugin": "resnet", ...}') -> dict[str, Any]:
+    """A model's (or pipeline's) section from JSON or YAML (YAML is a superset: either parses)."""
     if not body.strip():
-        raise InputError("the body is empty; send the model's fleet-file section, e.g. {\"plugin\": \"resnet\", ...}")
+        raise InputError(f"the body is empty; send the {what}'s fleet-file section, e.g. {example}")
     if len(body) > MAX_SECTION_BYTES:
-        raise InputError(f"a model's section is at most {MAX_SECTION_BYTES} bytes")
-    too_deep = InputError(f"a model's section nests mappings and lists more than {MAX_CONFIG_DEPTH} levels deep")
+        raise InputError(f"a {what}'s section is at most {MAX_SECTION_BYTES} bytes")
+    too_deep = InputError(f"a {what}'s section nests mappings and lists more than {MAX_CONFIG_DEPTH} levels deep")
     if "json" in media_type:
         data = loads_bounded(body, "the body", expected="valid JSON", limit=MAX_CONFIG_DEPTH)
     else:
@@ -81,7 +83,7 @@ def _section(body: bytes, media_type: str) -> dict[str, Any]:
         except (ValueError, yaml.YAMLError) as exc:
             raise InputError(f"the body is not valid YAML (UTF-8 text): {str(exc)[:200]}") from None
     if not isinstance(data, dict):
-        raise InputError(f"a model's section must be a mapping like {{\"plugin\": ...}}, got {type(data).__name__}")
+        raise InputError(f"a {what}'s section must be a mapping like {example}, got {type(data).__name__}")
     if nesting_exceeds(data, MAX_CONFIG_DEPTH):
         raise too_deep
     return data

@@ -31,11 +31,13 @@ from router.http.kserve.routes import v2_error_response, v2_router
 from router.http.memory import BodyMemory
 from router.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.http.metrics import RouterMetrics
+from router.http.pipelines import PIPELINE_ROUTES, precheck_pipeline, predict_pipeline
 from router.http.protocol import ANSWERED, PRECHECKED
-from router.http.request_state import TRACE, mark_received, note_error, received_at, request_phases, runtime_of
+from router.http.request_state import TRACE, mark_received, note_error, pipelines_of, received_at, request_phases, runtime_of
 from router.http.ui import ui_router
 from router.inference_protocol.shared_memory import SharedMemoryRegistry
 from router.logs import request_id_var, trace_id_var
+from router.pipelines import PipelineRunner
 from router.sdk.plugin import Payload
 from router.serving.facade import ServingFacade
 from router.tracing.api import RequestSpan, Tracing
@@ -102,13 +104,18 @@ def _is_json(media_type: str) -> bool:
 
 @post("/models/{name:str}/predict", status_code=200, summary="Run one input through a model")
 async def predict(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
-    """Accepts a multipart field `file` or a raw `image/*` body. Headers: X-Timeout-Ms, X-Priority."""
-    runtime = runtime_of(request)
+    """Accepts a multipart field `file` or a raw `image/*` body. Headers: X-Timeout-Ms, X-Priority.
+    A pipeline's name runs the input through the pipeline (docs/pipelines.md)."""
+    runtime, pipelines = runtime_of(request), pipelines_of(request)
     trace = request_phases(request.scope, "receive")
     priority = priority_header(request.headers.get("x-priority"))
     timeout_ms = number_header("X-Timeout-Ms", request.headers.get("x-timeout-ms"))
     # 404, 503 and header errors before the body is read: under a surge a refusal costs little.
     # Served by `model-router serve`, the connection has run these checks already (router.http.early).
+    if pipelines.serves(name):
+        precheck_pipeline(name, request, pipelines, priority, timeout_ms,
+                          announced_length(request.headers.get("content-length")))
+        return await predict_pipeline(name, request, await _payload(request), pipelines, priority, timeout_ms)
     if not request.scope["state"].get(PRECHECKED):
         runtime.precheck(name, priority=priority, timeout_ms=timeout_ms, received_at=received_at(request),
                          body_bytes=announced_length(request.headers.get("content-length")))
@@ -139,14 +146,18 @@ async def predict(name: FromPath[str], request: Request[Any, Any, Any]) -> Respo
     )
 
 
-@get("/models", summary="All models with state, queue, batching, memory and counters")
+@get("/models", summary="All models with state, queue, batching, memory and counters; and the pipelines")
 async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
     runtime = runtime_of(request)
-    return {"models": [model.as_dict() for model in runtime.models()]}
+    return {"models": [model.as_dict() for model in runtime.models()],
+            "pipelines": [info.as_dict() for info in pipelines_of(request).infos()]}
 
 
-@get("/models/{name:str}", summary="One model's state, queue, batching, memory and counters")
+@get("/models/{name:str}", summary="One model's state, queue, batching, memory and counters (or a pipeline's)")
 async def show_model(name: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, Any]:
+    pipelines = pipelines_of(request)
+    if pipelines.serves(name):
+        return pipelines.info(name).as_dict()
     return runtime_of(request).model(name).as_dict()
 
 
@@ -163,6 +174,7 @@ async def ready(request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
         "ready": runtime.ready,
         "draining": runtime.draining,
         "models": {model.name: model.state for model in runtime.models()},
+        "pipelines": {info.name: info.state for info in pipelines_of(request).infos()},
         "devices": {device.name: "ok" if device.available else device.error for device in runtime.devices()},
     }
     return Response(body, status_code=200 if runtime.ready else 503)
@@ -354,7 +366,8 @@ def create_app(
             regions.close()
 
     app = Litestar(
-        route_handlers=[predict, list_models, show_model, live, ready, metrics, *ADMIN_ROUTES, v2_router, ui_router],
+        route_handlers=[predict, list_models, show_model, live, ready, metrics, *ADMIN_ROUTES, *PIPELINE_ROUTES, v2_router,
+                        ui_router],
         lifespan=[lifespan],
         exception_handlers={Exception: _error_response},
         # Without keys every route is open: no guard (Litestar copies the route handler for each guard call).
@@ -370,12 +383,14 @@ def create_app(
                                              tracing=tracing)
     app.state.runtime = runtime
     app.state.tracing = tracing
+    app.state.pipelines = PipelineRunner(runtime)
     app.state.max_items = max_items
     app.state.shared_memory = regions
     router_metrics = bound_metrics
     if router_metrics is None:
         router_metrics = RouterMetrics()
         router_metrics.bind(runtime)
+    app.state.pipelines.add_telemetry(router_metrics)
     app.state.metrics = router_metrics
     app.state.access_policy = policy
     return app

@@ -5,7 +5,8 @@ Under a surge most requests are refused (503 with Retry-After). Through the app 
 response objects), and on a busy host that CPU comes out of the batches running beside it. The
 connection (`router.http.protocol`) asks `EarlyRefusals` once a request's headers are complete:
 for `POST /models/<name>/predict` it runs the same checks as the predict handler, in the same
-order (key, X-Priority, X-Timeout-Ms, then the runtime's `precheck`), and when they refuse it
+order (key, X-Priority, X-Timeout-Ms, then the runtime's `precheck`, or the pipeline runner's for
+a pipeline's name), and when they refuse it
 returns the whole response, which the connection writes while it discards the body as it comes.
 A request the checks admit goes on to the app marked as prechecked, so the handler does not check
 it twice. Anything else, or a request whose key is not accepted (the app answers 401/403 in its
@@ -29,6 +30,7 @@ from router.http.answers import error_body
 from router.http.auth import Access, AccessPolicy
 from router.http.headers import announced_length, incoming_or_new, number_header, priority_header
 from router.http.protocol import PASSED, EarlyAnswer, Passed
+from router.pipelines import PipelineRunner
 from router.serving.facade import ServingFacade
 from router.tracing.api import Tracing
 
@@ -46,10 +48,12 @@ ROUTE = "/models/{name}/predict"
 class EarlyRefusals:
     """The connection's screen: `(method, url, headers) -> EarlyAnswer | PASSED | None`."""
 
-    def __init__(self, runtime: ServingFacade, policy: AccessPolicy, tracing: Tracing | None = None) -> None:
+    def __init__(self, runtime: ServingFacade, policy: AccessPolicy, tracing: Tracing | None = None,
+                 pipelines: PipelineRunner | None = None) -> None:
         self.runtime = runtime
         self.policy = policy
         self.tracing = tracing
+        self.pipelines = pipelines
 
     def __call__(self, method: bytes, url: bytes, headers: Sequence[tuple[bytes, bytes]]) -> EarlyAnswer | Passed | None:
         if method != b"POST":
@@ -70,8 +74,10 @@ class EarlyRefusals:
             except RouterError:
                 return None
         model = match.group(1).decode("ascii")
+        pipelines = self.pipelines
+        precheck = pipelines.precheck if pipelines is not None and pipelines.serves(model) else self.runtime.precheck
         try:
-            self.runtime.precheck(
+            precheck(
                 model, priority=priority_header(fields.get(b"x-priority")),
                 timeout_ms=number_header("X-Timeout-Ms", fields.get(b"x-timeout-ms")),
                 received_at=started, body_bytes=announced_length(fields.get(b"content-length")),

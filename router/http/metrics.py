@@ -91,8 +91,46 @@ class RouterMetrics:
             "because the shared-memory arena was full, by direction.", ["direction"], registry=registry,
         )
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._pipeline_metrics(registry)
         ProcessCollector(registry=self.registry)  # this process's process_cpu_seconds_total, resident memory, ...
         self.registry.register(_HostCollector())
+
+    def _pipeline_metrics(self, registry: CollectorRegistry | None) -> None:
+        """Per pipeline and per step (`step`: its position and name, like `2:resnet18`). A step's
+        items are also requests of its model, counted in the models' metrics."""
+        self.pipeline_requests = Counter(
+            "model_router_pipeline_requests", "Pipeline requests by outcome.", ["pipeline", "outcome"],
+            registry=registry,
+        )
+        self.pipeline_latency = Histogram(
+            "model_router_pipeline_answer_seconds", "Time inside the router of pipeline requests answered 200.",
+            ["pipeline"], buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.step_items = Histogram(
+            "model_router_pipeline_step_items", "Items one answered request put through the step.", ["pipeline", "step"],
+            buckets=(0, *BATCH_BUCKETS), registry=registry,
+        )
+        self.step_seconds = Histogram(
+            "model_router_pipeline_step_seconds", "Time from a step's first item in to its last answer, per request.",
+            ["pipeline", "step"], buckets=LATENCY_BUCKETS, registry=registry,
+        )
+        self.step_batch_size = Histogram(
+            "model_router_pipeline_step_batch_size", "The size of the batch each of a step's items ran in.",
+            ["pipeline", "step"], buckets=BATCH_BUCKETS, registry=registry,
+        )
+
+    def observe_pipeline(self, pipeline: str, outcome: str, seconds: float) -> None:
+        self.pipeline_requests.labels(pipeline, outcome).inc()
+        if outcome == "ok":
+            self.pipeline_latency.labels(pipeline).observe(seconds)
+
+    def observe_step(self, pipeline: str, step: str, items: int, seconds: float, batch_sizes: list[int]) -> None:
+        self.step_items.labels(pipeline, step).observe(items)
+        if items:
+            self.step_seconds.labels(pipeline, step).observe(seconds)
+        sizes = self.step_batch_size.labels(pipeline, step)
+        for size in batch_sizes:
+            sizes.observe(size)
 
     def observe_batch(self, model: str, size: int, seconds: float) -> None:
         self._child(self.batch_size, model).observe(size)
@@ -145,6 +183,17 @@ class RouterMetrics:
             return list(metric.collect())
         name = metric._name  # the family name, as the multiprocess files key it
         return [family for family in self.multiprocess.collect() if family.name == name]
+
+    def pipeline_counts(self) -> dict[str, dict[str, int]]:
+        """Pipeline requests by pipeline and outcome, over every process."""
+        counts: dict[str, dict[str, int]] = {}
+        for family in self.family(self.pipeline_requests):
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    pipeline = counts.setdefault(sample.labels["pipeline"], {})
+                    outcome = sample.labels["outcome"]
+                    pipeline[outcome] = pipeline.get(outcome, 0) + int(sample.value)
+        return counts
 
     def request_counts(self) -> dict[str, dict[str, int]]:
         """Requests by model and outcome, over every process."""

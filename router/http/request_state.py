@@ -1,4 +1,5 @@
-"""Per-request facts: what the ASGI middleware records in the scope (arrival, trace), and the runtime the app serves."""
+"""Per-request facts: what the ASGI middleware records in the scope (arrival, trace), and the runtime
+(and pipeline runner) the app serves."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from typing import Any
 from litestar import Request
 from litestar.types import Scope
 
+from router.pipelines import PipelineRunner
 from router.serving.facade import ServingFacade
 from router.tracing.api import Phases, RequestSpan
 
-__all__ = ["mark_received", "note_error", "received_at", "request_phases", "request_trace", "runtime_of"]
+__all__ = ["mark_received", "note_error", "pipelines_of", "received_at", "request_phases", "request_trace", "runtime_of"]
 #: The scope state's key for the request's server span (set only while tracing is on).
 TRACE = "trace"
 
@@ -20,6 +22,12 @@ def runtime_of(request: Request[Any, Any, Any]) -> ServingFacade:
     """The runtime behind the app that serves `request`."""
     runtime: ServingFacade = request.app.state.runtime
     return runtime
+
+
+def pipelines_of(request: Request[Any, Any, Any]) -> PipelineRunner:
+    """The pipeline runner in front of that runtime."""
+    runner: PipelineRunner = request.app.state.pipelines
+    return runner
 
 
 def mark_received(scope: Scope) -> None:

@@ -89,7 +89,8 @@ def run_server(app: Litestar, runtime: ServingFacade, settings: ServerSettings, 
                         header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
                         max_connections=max_connections or settings.max_connections,
                         max_requests=max_connections or settings.max_connections)
-    protocol = guarded_protocol(limits, EarlyRefusals(runtime, app.state.access_policy, app.state.tracing))
+    protocol = guarded_protocol(limits, EarlyRefusals(runtime, app.state.access_policy, app.state.tracing,
+                                                      app.state.pipelines))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=5, access_log=False, http=protocol,
                             ws="none", timeout_keep_alive=settings.keep_alive_s)

@@ -3,6 +3,7 @@ same values over HTTP (as JSON) and gRPC (as messages)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -46,8 +47,11 @@ def server_metadata() -> dict[str, Any]:
     return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
 
 
-def model_metadata(model: ModelInfo) -> dict[str, Any]:
-    return {"name": model.name, "versions": [MODEL_VERSION], "platform": f"model-router/{model.plugin['name']}",
+def model_metadata(model: ModelInfo, *, pipeline: str | None = None) -> dict[str, Any]:
+    """A model's metadata; with `pipeline`, that pipeline's (it takes what its entry `model` takes),
+    on the platform Triton gives its ensembles."""
+    platform = "ensemble" if pipeline is not None else f"model-router/{model.plugin['name']}"
+    return {"name": pipeline or model.name, "versions": [MODEL_VERSION], "platform": platform,
             **signature(model.accepts).metadata()}
 
 
@@ -59,9 +63,13 @@ class IndexEntry:
     reason: str
 
 
-def index_entries(models: list[ModelInfo], *, ready_only: bool) -> list[IndexEntry]:
-    """The repository index: every model (or the ready ones) with Triton's word for its state."""
+def index_entries(models: list[ModelInfo], *, ready_only: bool,
+                  pipelines: Sequence[tuple[str, bool, str | None]] = ()) -> list[IndexEntry]:
+    """The repository index: every model (or the ready ones) with Triton's word for its state; then
+    the `pipelines` (name, serving, error), which V2 clients see as models (Triton's ensembles)."""
     entries = [IndexEntry(m.name, MODEL_VERSION, TRITON_STATES[m.state], m.error or "") for m in models]
+    entries += [IndexEntry(name, MODEL_VERSION, "READY" if serving else "UNAVAILABLE", error or "")
+                for name, serving, error in pipelines]
     return [e for e in entries if e.state == "READY"] if ready_only else entries
 
 

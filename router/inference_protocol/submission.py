@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from router.errors import RouterError
 from router.inference_protocol.payloads import select_outputs, signature, to_payloads
@@ -19,7 +20,7 @@ from router.serving.runtime import Answer
 from router.serving.snapshots import ModelInfo
 from router.tracing.api import Phases
 
-__all__ = ["ItemFailed", "Ran", "run_request", "submit_all"]
+__all__ = ["Entry", "ItemFailed", "Ran", "run_request", "submit_all"]
 
 
 class ItemFailed(Exception):
@@ -31,25 +32,42 @@ class ItemFailed(Exception):
 
 
 @dataclass(frozen=True)
+class Entry:
+    """Where a V2 request's items go: a model through the serving façade, or a pipeline through its
+    runner. `precheck(name, ...)` refuses before any item is queued; `submit(name, payload, ...)`
+    answers one item with something that has `output`."""
+
+    name: str
+    precheck: Callable[..., None]
+    submit: Callable[..., Awaitable[Any]]
+
+    @classmethod
+    def model(cls, runtime: ServingFacade, name: str) -> Entry:
+        return cls(name, runtime.precheck, runtime.submit)
+
+
+@dataclass(frozen=True)
 class Ran:
     """A request's answers, with the outputs to encode them as."""
 
     outputs: tuple[RequestedOutput, ...]
-    answers: list[Answer]
+    answers: list[Any]  # Answer, or a pipeline's answer: each has `output`
 
 
-async def run_request(runtime: ServingFacade, model: ModelInfo, request: InferRequest, *, priority: int | None,
+async def run_request(entry: Entry | ServingFacade, model: ModelInfo, request: InferRequest, *, priority: int | None,
                       timeout_ms: float | None, received_at: float | None,
                       placed: Callable[[], None] | None = None, traces: Sequence[Phases | None] | None = None) -> Ran:
     """Check the whole request against the queue (before any item is queued), make its payloads
-    (off the event loop), submit them all and wait for every answer. `placed` is called once every
+    (off the event loop), submit them all and wait for every answer. `entry` is where the items go
+    (a serving façade: to `model`). `placed` is called once every
     item's submission has started (each takes its place in the queue in its first step); `traces`,
     one per item, records each item's phases."""
-    runtime.precheck(model.name, priority=priority, timeout_ms=timeout_ms, received_at=received_at, items=request.items)
+    target = entry if isinstance(entry, Entry) else Entry.model(entry, model.name)
+    target.precheck(target.name, priority=priority, timeout_ms=timeout_ms, received_at=received_at, items=request.items)
     sig = signature(model.accepts)
     outputs = select_outputs(request, sig)
-    payloads = await asyncio.to_thread(to_payloads, request, model.name, sig)
-    tasks = _start(runtime, model.name, payloads, priority, timeout_ms, received_at, traces)
+    payloads = await asyncio.to_thread(to_payloads, request, target.name, sig)
+    tasks = _start(target, payloads, priority, timeout_ms, received_at, traces)
     if placed is not None:
         placed()
     return Ran(outputs, await _answers(tasks))
@@ -62,22 +80,23 @@ async def submit_all(
     """Submit every item at once so they share the queue and the batcher; answers in item order.
 
     The first failure (in item order) answers the request, and the remaining items are cancelled."""
-    return await _answers(_start(runtime, model, payloads, priority, timeout_ms, arrived))
+    return await _answers(_start(Entry.model(runtime, model), payloads, priority, timeout_ms, arrived))
 
 
-def _start(runtime: ServingFacade, model: str, payloads: Sequence[Payload], priority: int | None,
-           timeout_ms: float | None, arrived: float | None,
-           traces: Sequence[Phases | None] | None = None) -> list[asyncio.Future[Answer]]:
+def _start(entry: Entry, payloads: Sequence[Payload], priority: int | None, timeout_ms: float | None,
+           arrived: float | None, traces: Sequence[Phases | None] | None = None) -> list[asyncio.Future[Any]]:
     base = request_id_var.get() or uuid.uuid4().hex
     ids = [base] if len(payloads) == 1 else [f"{base}.{i}" for i in range(len(payloads))]
-    return [
-        asyncio.ensure_future(runtime.submit(model, p, priority=priority, timeout_ms=timeout_ms, request_id=rid,
-                                            received_at=arrived, trace=traces[index] if traces else None))
-        for index, (p, rid) in enumerate(zip(payloads, ids, strict=True))
-    ]
+    tasks = []
+    for index, (payload, rid) in enumerate(zip(payloads, ids, strict=True)):
+        trace = traces[index] if traces else None
+        traced = {"trace": trace} if trace is not None else {}  # a pipeline's runner takes no trace
+        tasks.append(asyncio.ensure_future(entry.submit(entry.name, payload, priority=priority, timeout_ms=timeout_ms,
+                                                        request_id=rid, received_at=arrived, **traced)))
+    return tasks
 
 
-async def _answers(tasks: list[asyncio.Future[Answer]]) -> list[Answer]:
+async def _answers(tasks: list[asyncio.Future[Any]]) -> list[Any]:
     """Every task's answer, in order; the first failure (in item order) raises, the rest are cancelled."""
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

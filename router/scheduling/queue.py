@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,6 +157,7 @@ class ModelQueue:
         self._pending = 0
         self._dead = 0
         self.drain = DrainRate()
+        self.on_room: Callable[[], None] | None = None  # called whenever occupancy falls: room was freed
 
     @property
     def depth(self) -> int:
@@ -187,11 +188,12 @@ class ModelQueue:
 
     def release_slot(self) -> None:
         self._pending = max(0, self._pending - 1)
+        self._freed()
 
     def put(self, ticket: Ticket, *, reserved: bool = False) -> None:
         """Queue a ticket, converting a reserved slot if the caller holds one."""
         if reserved:
-            self.release_slot()
+            self._pending = max(0, self._pending - 1)
         else:
             self.check_room(ticket.arrived_at)
         if not 1 <= ticket.priority <= self.priority_levels:
@@ -209,6 +211,7 @@ class ModelQueue:
         self._dead += 1
         if self._dead > max(64, self._live):
             self._compact()
+        self._freed()
         return True
 
     def withdraw_all(self) -> list[Ticket]:
@@ -242,7 +245,12 @@ class ModelQueue:
         self._live -= len(batch) + len(doomed)
         if batch or doomed:
             self.drain.record(now, len(batch) + len(doomed))
+            self._freed()
         return batch, doomed
+
+    def _freed(self) -> None:
+        if self.on_room is not None:
+            self.on_room()
 
     def oldest_arrival(self) -> float | None:
         """Arrival time of the oldest live ticket: the start of the forming batch's delay."""

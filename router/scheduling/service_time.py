@@ -42,6 +42,11 @@ __all__ = [
 HALF_LIFE_S = 5.0
 #: Spreads above this many mean deviations are treated as noise when predicting with a margin.
 MARGIN_DEVIATIONS = 2.0
+#: One batch can raise the load factor by at most this ratio over the present factor: a batch that
+#: ran 10^6 times longer than warm-up (a hang, a stall, a warm-up that measured nothing) must not
+#: make the deadline gate refuse everything for minutes, while a real slowdown is still learnt
+#: within a few batches (each may move the factor up by 1.75x).
+OUTLIER_RATIO = 4.0
 #: The least relative spread a margin pads with: even a steady model meets scheduling jitter.
 MIN_SPREAD = 0.05
 #: Above this many batches ahead, prediction uses the instances' combined rate instead of stepping.
@@ -162,8 +167,8 @@ class BatchTime:
         base = self.base_s(n)
         if base <= 0:
             return
-        ratio = seconds / base
         factor, spread = self.factor_at(now)
+        ratio = min(seconds / base, OUTLIER_RATIO * max(factor, 1.0))
         self.spread = 0.75 * spread + 0.25 * abs(ratio - factor) / max(factor, 1e-9)
         self.factor = 0.75 * factor + 0.25 * ratio
         self.updated_at = now
@@ -337,7 +342,8 @@ class GateDecision(msgspec.Struct, frozen=True):
     retry_after_s: float = 1.0
 
 
-def deadline_gate(prediction: Prediction | None, budget_s: float, *, idle: bool, half_open: bool) -> GateDecision:
+def deadline_gate(prediction: Prediction | None, budget_s: float, *, idle: bool, half_open: bool,
+                  strict: bool = False) -> GateDecision:
     """Admit unless the prediction says the answer would come after the deadline.
 
     An idle model (nothing queued, an instance free) always admits: its real answer time is
@@ -345,7 +351,12 @@ def deadline_gate(prediction: Prediction | None, budget_s: float, *, idle: bool,
     (`HalfOpenGate.open`: its estimate is not being refreshed) admits the request anyway, to
     measure, so the estimate follows reality down as well as up; the caller then takes the gate's
     turn (`HalfOpenGate.take`), unless it is only looking (an early check before the body is read).
+    With `strict` (a pipeline's later step, whose request has spent part of its time already) a
+    prediction that misses refuses even an idle model, and nothing is let through to measure.
     """
+    if strict and prediction is not None and prediction.answer_in_s > budget_s:
+        return GateDecision(False, reason=f"{prediction.explain()}, more than the {budget_s * 1000:.0f} ms left",
+                            retry_after_s=max(1.0, prediction.answer_in_s - budget_s))
     if idle:
         return GateDecision(True, measure=True, reason="idle")
     if prediction is None:

@@ -4,9 +4,9 @@
 
 See docs/plugins.md for the contract: which thread runs each hook, the memory estimate, warm-up,
 what KServe V2 hands to `preprocess`, and the errors to raise. Besides model plugins, the SDK
-holds the two other kinds of entry point a plugin distribution may declare: exporters
-(`Exporter`, for `model-router export`) and demo files (`DemoFile`, for `model-router store
-init-demo`). Importing it never imports torch: `activation_bytes` and `tensor_bytes` (torch
+holds the other kinds of entry point a plugin distribution may declare: exporters
+(`Exporter`, for `model-router export`), demo files (`DemoFile`, for `model-router store
+init-demo`) and pipeline transforms (`Transform`, docs/pipelines.md). Importing it never imports torch: `activation_bytes` and `tensor_bytes` (torch
 helpers for memory estimates) load it when first used, the demo helpers when called.
 """
 
@@ -31,15 +31,28 @@ from router.sdk.images import (
     open_image,
     reduction_for,
 )
-from router.sdk.plugin import PLUGINS_GROUP, MemoryEstimate, ModelPlugin, NoOptions, Payload, PluginContext
+from router.sdk.plugin import (
+    DETECTIONS,
+    PIXELS_MEDIA_TYPE,
+    PLUGINS_GROUP,
+    MemoryEstimate,
+    ModelPlugin,
+    NoOptions,
+    Payload,
+    PluginContext,
+)
+from router.sdk.transforms import TRANSFORMS_GROUP, ItemKind, StepItem, Transform, Transformed
 
 __all__ = [
     "ACCEPTED_MEDIA_TYPES",
     "DEFAULT_MAX_ASPECT_RATIO",
     "DEFAULT_MAX_PIXELS",
     "DEMO_FILES_GROUP",
+    "DETECTIONS",
     "EXPORTERS_GROUP",
+    "PIXELS_MEDIA_TYPE",
     "PLUGINS_GROUP",
+    "TRANSFORMS_GROUP",
     "DemoFile",
     "DeviceOutOfMemory",
     "ExportError",
@@ -47,6 +60,7 @@ __all__ = [
     "Exporter",
     "ImageHeader",
     "InputError",
+    "ItemKind",
     "MemoryEstimate",
     "ModelPlugin",
     "NoOptions",
@@ -56,6 +70,9 @@ __all__ = [
     "PluginContext",
     "Progress",
     "SourceModel",
+    "StepItem",
+    "Transform",
+    "Transformed",
     "UnsupportedMediaType",
     "activation_bytes",
     "calibrate_batchnorm",

@@ -5,6 +5,10 @@ two for plugins that plan their work from the header first: it checks the header
 `OpenedImage` whose `decode` can ask for a DCT-domain reduced decode (JPEG at 1/2, 1/4 or 1/8
 scale) and for BGR order, which OpenCV decodes without a conversion.
 
+A payload that already carries decoded pixels (`Payload.pixels`: a pipeline's crop, or its input
+decoded once by the router) is handed over as it is, under the same limits: nothing is decoded
+or encoded again.
+
 The format is sniffed from the bytes (the declared media type may be generic); the pixel count
 and the aspect ratio are checked from the header before anything is decoded, so what a decode
 allocates is known and bounded first; and every failure is a RouterError with a message a client
@@ -82,7 +86,7 @@ class ImageHeader:
     """What the header says, before any pixel is decoded. Width and height are as displayed
     (EXIF orientation applied) where the orientation is in the header."""
 
-    format: str  # "JPEG", "PNG", "WEBP" or "BMP"
+    format: str  # "JPEG", "PNG", "WEBP" or "BMP"; "PIXELS" for a payload already decoded
     width: int
     height: int
     orientation: int  # EXIF orientation tag, 1 = as stored
@@ -99,11 +103,14 @@ class ImageHeader:
 
 
 class OpenedImage:
-    """An image whose header has passed every check; `decode` turns it into pixels."""
+    """An image whose header has passed every check; `decode` turns it into pixels (or, for a
+    payload already decoded, hands its pixels over)."""
 
-    def __init__(self, body: bytes, image: Image.Image, header: ImageHeader) -> None:
+    def __init__(self, body: bytes, image: Image.Image | None, header: ImageHeader,
+                 pixels: np.ndarray | None = None) -> None:
         self._body = body
         self._image = image
+        self._pixels = pixels
         self.header = header
 
     def decode(self, *, reduce: int = 1, channels: Channels = "RGB", fit: tuple[int, int] | None = None) -> np.ndarray:
@@ -118,6 +125,9 @@ class OpenedImage:
             raise ValueError(f"reduce must be 1, 2, 4 or 8, got {reduce}")
         if fit is not None and reduce != 1:
             raise ValueError("decode takes reduce or fit, not both")
+        if self._pixels is not None:  # decoded already: the same pixels, in the order asked for
+            return np.ascontiguousarray(self._pixels[:, :, ::-1] if channels == "BGR" else self._pixels)
+        assert self._image is not None
         plain_jpeg = self.header.format == "JPEG" and self.header.mode in ("RGB", "L")
         decoder = _simplejpeg()
         if fit is not None:
@@ -135,6 +145,7 @@ class OpenedImage:
     def _decode_turbo(self, decoder: ModuleType, reduce: int, channels: Channels, fast: bool) -> np.ndarray:
         """libjpeg-turbo through simplejpeg: without `fast`, the same pixels as OpenCV's decoder in
         less than half the time here, straight into the channel order asked for."""
+        assert self._image is not None
         stored = self._image.size  # (width, height) before orientation
         expected = (-(-stored[1] // reduce), -(-stored[0] // reduce), 3)
         try:
@@ -154,6 +165,7 @@ class OpenedImage:
             pixels = cv2.imdecode(np.frombuffer(self._body, np.uint8), flags)
         except cv2.error as exc:
             raise InputError(f"corrupt or truncated image data: {str(exc).strip()[:200]}") from None
+        assert self._image is not None
         stored = self._image.size  # (width, height) before orientation
         expected = (-(-stored[1] // reduce), -(-stored[0] // reduce), 3)
         if pixels is None or pixels.shape != expected:
@@ -165,6 +177,7 @@ class OpenedImage:
 
     def _decode_pillow(self) -> np.ndarray:
         image = self._image
+        assert image is not None
         try:
             image.load()
             image = ImageOps.exif_transpose(image)
@@ -180,7 +193,9 @@ def open_image(
 ) -> OpenedImage:
     """Sniff the format and read only the header; refuse, before any decode, what is not accepted
     (415), empty or unreadable (400), over `max_pixels` (413) or more elongated than
-    `max_aspect_ratio` (400)."""
+    `max_aspect_ratio` (400). A payload with `pixels` is checked against the same limits."""
+    if payload.pixels is not None:
+        return _opened_pixels(payload, max_pixels, max_aspect_ratio)
     _check_media_type(payload.media_type)
     if not payload.body:
         raise InputError("empty image: the request body has no bytes")
@@ -200,6 +215,23 @@ def decode_image(
     or real format not accepted).
     """
     return open_image(payload, max_pixels=max_pixels, max_aspect_ratio=max_aspect_ratio).decode()
+
+
+def _opened_pixels(payload: Payload, max_pixels: int, max_aspect_ratio: float) -> OpenedImage:
+    """A payload decoded already: its array checked for shape and against the limits."""
+    pixels = payload.pixels
+    if not (isinstance(pixels, np.ndarray) and pixels.dtype == np.uint8 and pixels.ndim == 3 and pixels.shape[2] == 3):
+        got = f"{pixels.dtype} {pixels.shape}" if isinstance(pixels, np.ndarray) else type(pixels).__name__
+        raise InputError(f"decoded pixels must be a uint8 (height, width, 3) RGB array, got {got}")
+    height, width = pixels.shape[:2]
+    if not (height and width):
+        raise InputError(f"the decoded image is empty ({width}x{height})")
+    limit, whose = _pixel_limit(max_pixels)
+    if width * height > limit:
+        raise PayloadTooLarge(f"image is {width}x{height} = {width * height} pixels; the limit is {limit} pixels{whose}")
+    header = ImageHeader("PIXELS", width, height, 1, "RGB")
+    _check_aspect_ratio(header, max_aspect_ratio)
+    return OpenedImage(payload.body, None, header, pixels)
 
 
 def reduction_for(header: ImageHeader, short_side: int, long_side: int) -> int:

@@ -7,6 +7,7 @@ device and may keep state (the loaded network) on itself.
 Required: `load`, `preprocess`, `predict_batch`, `memory_estimate`.
 Optional hooks with defaults: `postprocess`, `describe_input`, `example_payload`, `warmup`, `unload`,
 and for a host split into processes (`workers: N`), `front_state` and `adopt_front_state`.
+Optional class attribute: `answers`, what `postprocess` answers, which pipelines' transforms check.
 
 Where each hook runs. With one process, all of them run in it. With `workers: N` the host has N
 front processes and one engine process: `load`, `predict_batch`, `memory_estimate`, `warmup` and
@@ -30,6 +31,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 from pydantic import BaseModel, ConfigDict
 
 __all__ = [
+    "DETECTIONS",
+    "PIXELS_MEDIA_TYPE",
     "PLUGINS_GROUP",
     "MemoryEstimate",
     "ModelPlugin",
@@ -41,6 +44,11 @@ __all__ = [
 
 #: The entry-point group model plugins are declared under.
 PLUGINS_GROUP = "model_router.plugins"
+#: The media type of a payload that carries decoded pixels (`Payload.pixels`) instead of bytes.
+PIXELS_MEDIA_TYPE = "image/x-pixels"
+#: `ModelPlugin.answers` of a detector: `{"detections": [{"box": [x1, y1, x2, y2], "score": s, ...}, ...]}`,
+#: boxes in the input image's pixels. The built-in `crop` transform reads it.
+DETECTIONS = "detections"
 
 
 class NoOptions(BaseModel):
@@ -54,11 +62,17 @@ OptionsT = TypeVar("OptionsT", bound=BaseModel)
 
 @dataclass(frozen=True)
 class Payload:
-    """One input as it arrived: raw bytes and their media type (`image/jpeg`, `application/json`, ...)."""
+    """One input as it arrived: raw bytes and their media type (`image/jpeg`, `application/json`, ...).
+
+    Inside a pipeline an image comes already decoded, once, by the router: `pixels` holds it (an
+    RGB, HWC, uint8 numpy array, possibly a view into a larger image: a crop), and `decode_image`
+    and `open_image` hand it over as if they had decoded `body`, which is then the original file
+    (the pipeline's first model) or empty (a crop, `PIXELS_MEDIA_TYPE`)."""
 
     body: bytes
     media_type: str
     filename: str | None = None
+    pixels: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -108,6 +122,9 @@ class ModelPlugin(ABC, Generic[OptionsT]):
     Options: ClassVar[type[BaseModel]] = NoOptions
     #: Media types `preprocess` understands; `image/*` style wildcards are allowed.
     accepts: ClassVar[tuple[str, ...]] = ("image/*",)
+    #: What `postprocess` answers, for the transforms of pipelines that check it: `DETECTIONS`, a
+    #: word of the plugin's own ("classes"), or None: not declared (checked on each answer instead).
+    answers: ClassVar[str | None] = None
     #: Whether torch's CUDA allocator holds this plugin's memory, so warm-up can profile it with
     #: torch.cuda.max_memory_allocated. Plugins on other runtimes (onnxruntime, TensorRT) set False.
     torch_memory: ClassVar[bool] = True

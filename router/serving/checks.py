@@ -20,8 +20,9 @@ _JSON_SCALARS = (str, int, bool, type(None))
 def check_media_type(model: str, accepts: Sequence[str], payload: Payload) -> None:
     """415 for a media type the model's plugin does not accept."""
     media = payload.media_type.split(";", 1)[0].strip().lower()
-    if media == "application/octet-stream" and any(a.startswith("image/") for a in accepts):
-        return  # bytes of unknown type: the plugin sniffs the real format
+    images = any(a.startswith("image/") for a in accepts)
+    if images and (payload.pixels is not None or media == "application/octet-stream"):
+        return  # decoded pixels, or bytes of unknown type: the plugin sniffs the real format
     if not any(fnmatch(media, pattern) for pattern in accepts):
         raise UnsupportedMediaType(
             f"model {model!r} does not accept {clip(media, 80) or 'an empty media type'}; "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections import Counter
 from collections.abc import Mapping
@@ -28,7 +29,7 @@ from router.serving.model_residency import Residency
 from router.serving.registry import PluginInfo
 from router.serving.rules import ModelFigures, Refusal
 
-__all__ = ["Deployment", "ModelState", "find_deployment"]
+__all__ = ["Deployment", "ModelState", "Pulse", "find_deployment"]
 
 #: Expected load time of a model never loaded yet, for residency's urgency.
 DEFAULT_LOAD_S = 1.0
@@ -50,6 +51,21 @@ class ModelState(enum.Enum):
     FAILED = "failed"
 
 
+class Pulse:
+    """Wakes everyone waiting at the moment it is pulsed (a one-shot event, renewed each time)."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def pulse(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    def next(self) -> asyncio.Event:
+        """The event the next pulse sets: taken before looking, so no pulse falls in between."""
+        return self._event
+
+
 @dataclass
 class Deployment:
     name: str
@@ -64,6 +80,10 @@ class Deployment:
     residency: Residency = field(default_factory=Residency)
     generation: int = 1  # a changed model is a new deployment of the same name, one generation on
     _forecast: tuple[Any, float, Forecast | None] | None = field(default=None, repr=False, compare=False)
+    room: Pulse = field(default_factory=Pulse)  # its queue freed room: requests waiting for it look again
+
+    def __post_init__(self) -> None:
+        self.queue.on_room = self.room.pulse
 
     @property
     def on_demand(self) -> bool:

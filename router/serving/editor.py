@@ -8,8 +8,13 @@ re-read the fleet file, with nothing accepted lost.
   loaded beside the old version when memory allows and swapped in, so no request fails; when it
   does not fit, the old version finishes its work and unloads first, and new requests wait for
   the new version. A new version that fails to load leaves (or brings back) the old one serving.
-- `delete`: new requests get 404; what was accepted is answered; then the model unloads.
-- `reload`: the difference between the fleet file and what serves, applied model by model.
+- `delete`: new requests get 404; what was accepted is answered; then the model unloads. A model
+  that a pipeline uses is not deleted (409) until the pipeline is.
+- `put_pipeline`, `delete_pipeline`: add, change or remove a pipeline; requests already inside one
+  finish on the definition they started with. A model change that a pipeline could no longer
+  use is refused (409).
+- `reload`: the difference between the fleet file and what serves, applied model by model, then
+  pipeline by pipeline.
 
 One change runs at a time.
 """
@@ -27,13 +32,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from router.config import FleetConfig, format_validation_error
-from router.errors import ConfigError, ModelDoesNotFit, ModelUnavailable
+from router.errors import ConfigError, Conflict, ModelDoesNotFit, ModelNotFound, ModelUnavailable, brief
 from router.scheduling.queue import reject
 from router.serving.deployment import Deployment
 from router.serving.fleet_state import FleetState
 from router.serving.instance import InstanceState
 from router.serving.loading import load_instance
-from router.serving.plan import FleetPlan, load_plan, resolve_fleet
+from router.serving.plan import FleetPlan, PipelinePlan, load_plan, pipeline_transforms, resolve_fleet, resolve_pipelines
 from router.serving.registry import PluginRegistry
 from router.serving.residency_executor import ResidencyExecutor, UnloadReport
 
@@ -55,6 +60,7 @@ class ReloadReport:
     unchanged: list[str] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    pipelines: dict[str, str] = field(default_factory=dict)  # name: added, changed, unchanged, removed or the error
 
 
 class FleetEditor:
@@ -141,22 +147,91 @@ class FleetEditor:
     async def put(self, name: str, section: Mapping[str, Any], source: str) -> str:
         """Add or change one model from its fleet-file section. Returns added, changed or unchanged."""
         async with self._lock:
+            if name in self.plan.pipelines:
+                raise Conflict(f"a pipeline is named {name!r}; models and pipelines share one name: choose another")
             plan = self._resolve(name, dict(section), source)
+            self._check_users(name, plan)
             return await self._apply(name, plan)
+
+    def _check_users(self, name: str, plan: FleetPlan) -> None:
+        """409 when the pipelines that use the model could not use its new section."""
+        users = self.plan.users_of(name)
+        if not users:
+            return
+        try:
+            resolve_pipelines(plan.fleet, plan.models, pipeline_transforms(plan.fleet), plan.source)
+        except ConfigError as exc:
+            raise Conflict(f"model {name!r} is used by pipeline(s) {', '.join(users)}, which could not use this "
+                           f"section: {exc}") from None
 
     async def delete(self, name: str) -> None:
         async with self._lock:
-            deployment = self._fleet.remove(name)
+            if users := self.plan.users_of(self._deployment(name).name):
+                raise Conflict(f"model {name!r} is used by pipeline(s) {', '.join(users)}: delete them "
+                               "(DELETE /pipelines/{name}) or change them first")
+            deployment = self._fleet.remove(self._deployment(name).name)
             self.plan = replace(self.plan, models={k: v for k, v in self.plan.models.items() if k != name},
                                 fleet=self.plan.fleet.model_copy(update={"models": {
                                     k: v for k, v in self.plan.fleet.models.items() if k != name}}))
             await self._retire(deployment, "removed", "removed from the fleet")
+
+    # -- pipelines ------------------------------------------------------------------------------
+
+    async def put_pipeline(self, name: str, section: Mapping[str, Any], source: str) -> tuple[str, PipelinePlan]:
+        """Add or change one pipeline from its fleet-file section: nothing loads, it serves at once."""
+        async with self._lock:
+            fleet_data = self.plan.fleet.model_dump()
+            fleet_data["pipelines"] = {**fleet_data["pipelines"], name: dict(section)}
+            try:
+                fleet = FleetConfig.model_validate(fleet_data)
+            except ValidationError as exc:
+                raise ConfigError(format_validation_error(exc, source, FleetConfig)) from exc
+            pipelines = resolve_pipelines(fleet, self.plan.models, pipeline_transforms(fleet), source)
+            current = self.plan.pipelines.get(name)
+            outcome = "added" if current is None else "unchanged" if current.config == fleet.pipelines[name] else "changed"
+            self.plan = replace(self.plan, fleet=fleet, pipelines=pipelines)
+            log.info("pipeline %s %s", name, outcome, extra={"pipeline": name})
+            return outcome, pipelines[name]
+
+    async def delete_pipeline(self, name: str) -> None:
+        async with self._lock:
+            if name not in self.plan.pipelines:
+                known = ", ".join(sorted(self.plan.pipelines)) or "none"
+                raise ModelNotFound(f"no pipeline named {brief(name, 80)}; pipelines: {known}")
+            users = sorted(p for p, plan in self.plan.pipelines.items() if name in plan.config.pipelines)
+            if users:
+                raise Conflict(f"pipeline {name!r} is a step of pipeline(s) {', '.join(users)}: change them first")
+            self._set_pipelines({k: v for k, v in self.plan.pipelines.items() if k != name})
+            log.info("pipeline %s removed", name, extra={"pipeline": name})
+
+    def _set_pipelines(self, pipelines: dict[str, PipelinePlan]) -> None:
+        fleet = self.plan.fleet.model_copy(update={"pipelines": {k: p.config for k, p in pipelines.items()}})
+        self.plan = replace(self.plan, fleet=fleet, pipelines=pipelines)
+
+    def _reload_pipelines(self, target: FleetPlan, report: ReloadReport) -> None:
+        """The file's pipelines whose models all serve; the others are reported, not served."""
+        served = {}
+        for name, plan in target.pipelines.items():
+            missing = [m for m in plan.models if m not in self._fleet.deployments]
+            if missing:
+                report.pipelines[name] = f"not served: model(s) {', '.join(missing)} did not come in"
+                continue
+            current = self.plan.pipelines.get(name)
+            report.pipelines[name] = ("added" if current is None else
+                                      "unchanged" if current.config == plan.config else "changed")
+            served[name] = plan
+        self._set_pipelines(served)
+
+    # -- the fleet file ---------------------------------------------------------------------------
 
     async def reload(self, path: Path) -> ReloadReport:
         """Apply the difference between the fleet file and what serves."""
         async with self._lock:
             target = load_plan(path)
             report = ReloadReport(warnings=self._device_warnings(target.fleet))
+            gone = sorted(set(self.plan.pipelines) - set(target.pipelines))  # before the models they use
+            self._set_pipelines({k: v for k, v in self.plan.pipelines.items() if k in target.pipelines})
+            report.pipelines.update((name, "removed") for name in gone)
             for name in sorted(set(self._fleet.deployments) - set(target.models)):
                 deployment = self._fleet.remove(name)
                 await self._retire(deployment, "removed", "removed from the fleet file")
@@ -175,6 +250,7 @@ class FleetEditor:
                     report.errors[name] = str(exc)
                     continue
                 getattr(report, outcome).append(name)
+            self._reload_pipelines(target, report)
             return report
 
     def _device_warnings(self, fleet: FleetConfig) -> list[str]:

@@ -1,8 +1,16 @@
-"""Resolve a fleet config against the installed plugins: every name and option checked, before any port opens."""
+"""Resolve a fleet config against the installed plugins: every name and option checked, before any port opens.
+
+Pipelines are resolved after the models (`resolve_pipelines`): the names their steps use, their
+transforms' options, and whether each step can take what the step before it gives.
+"""
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -10,10 +18,14 @@ from pydantic import AliasChoices, BaseModel, ValidationError
 
 from router.config import SECRET_LOOKING, FleetConfig, config_error, load_fleet, validation_problems
 from router.errors import UnknownPlugin, brief, clip
+from router.pipeline_config import PipelineConfig, StepConfig
 from router.sdk.plugin import PluginContext
+from router.sdk.transforms import Transform
 from router.serving.registry import PluginInfo, PluginRegistry
+from router.serving.transforms import TransformRegistry
 
-__all__ = ["FleetPlan", "ModelPlan", "load_plan", "option_keys", "resolve_fleet"]
+__all__ = ["FleetPlan", "ModelPlan", "PipelinePlan", "load_plan", "option_keys", "pipeline_transforms", "plan_pipeline",
+           "resolve_fleet", "resolve_pipelines"]
 
 
 @dataclass(frozen=True)
@@ -24,10 +36,30 @@ class ModelPlan:
 
 
 @dataclass(frozen=True)
+class PipelinePlan:
+    """A pipeline checked against the fleet: its steps, the models it uses (through the pipelines
+    it names too) and the model its requests enter by."""
+
+    name: str
+    config: PipelineConfig
+    models: tuple[str, ...]
+    entry: str
+
+    def describe(self) -> dict[str, Any]:
+        return {"steps": [step.model_dump(exclude_defaults=True) for step in self.config.steps],
+                "timeout_ms": self.config.timeout_ms, "models": list(self.models), "entry": self.entry}
+
+
+@dataclass(frozen=True)
 class FleetPlan:
     source: str
     fleet: FleetConfig
     models: dict[str, ModelPlan]
+    pipelines: dict[str, PipelinePlan] = dataclass_field(default_factory=dict)
+
+    def users_of(self, model: str) -> list[str]:
+        """The pipelines that use `model` (directly or through another pipeline)."""
+        return sorted(name for name, plan in self.pipelines.items() if model in plan.models)
 
     def describe(self) -> dict[str, Any]:
         """The resolved plan as plain data (printed by `model-router check`)."""
@@ -56,6 +88,7 @@ class FleetPlan:
             "model_store": str(self.fleet.model_store),
             "devices": devices,
             "models": models,
+            "pipelines": {name: plan.describe() for name, plan in self.pipelines.items()},
         }
 
 
@@ -116,10 +149,179 @@ def resolve_fleet(fleet: FleetConfig, registry: PluginRegistry, source: str = "f
     return FleetPlan(source, fleet, models)
 
 
-def load_plan(config_path: Path, registry: PluginRegistry | None = None) -> FleetPlan:
-    """Parse and resolve a fleet file; raises ConfigError naming file, key, value and what is accepted.
-    Without a registry, only the plugins the fleet names are imported."""
+def load_plan(config_path: Path, registry: PluginRegistry | None = None,
+              transforms: TransformRegistry | None = None) -> FleetPlan:
+    """Parse and resolve a fleet file, its pipelines included; raises ConfigError naming file, key,
+    value and what is accepted. Without registries, only the plugins and transforms the fleet names
+    are imported."""
     fleet = load_fleet(config_path)
     if registry is None:
         registry = PluginRegistry.from_entry_points(only={model.plugin for model in fleet.models.values()})
-    return resolve_fleet(fleet, registry, str(config_path))
+    plan = resolve_fleet(fleet, registry, str(config_path))
+    if not fleet.pipelines:
+        return plan
+    pipelines = resolve_pipelines(fleet, plan.models, transforms or pipeline_transforms(fleet), str(config_path))
+    return FleetPlan(plan.source, fleet, plan.models, pipelines)
+
+
+def pipeline_transforms(fleet: FleetConfig) -> TransformRegistry:
+    """The transforms the fleet's pipelines use (and the built-in ones), imported and validated."""
+    return TransformRegistry.from_entry_points(
+        only={step.name for pipeline in fleet.pipelines.values() for step in pipeline.steps if step.kind == "transform"})
+
+
+def resolve_pipelines(fleet: FleetConfig, models: Mapping[str, ModelPlan], transforms: TransformRegistry,
+                      source: str = "fleet") -> dict[str, PipelinePlan]:
+    """Check every pipeline against the fleet's models and pipelines and the installed transforms;
+    all problems are reported together (ConfigError)."""
+    problems: list[str] = []
+    plans = {}
+    for name, config in fleet.pipelines.items():
+        found = _PipelineCheck(name, config, fleet, models, transforms, source).problems()
+        problems += found
+        if not found:
+            plans[name] = plan_pipeline(name, fleet.pipelines)
+    if problems:
+        raise config_error(source, problems)
+    return plans
+
+
+def plan_pipeline(name: str, pipelines: Mapping[str, PipelineConfig]) -> PipelinePlan:
+    """A pipeline's plan from pipelines `resolve_pipelines` has checked (a cluster's front has its
+    file checked at deploy): the models it uses and the one its requests enter by."""
+    return PipelinePlan(name, pipelines[name], tuple(sorted(_models_used(name, pipelines))), _entry(name, pipelines) or "")
+
+
+def _models_used(name: str, pipelines: Mapping[str, PipelineConfig]) -> set[str]:
+    used: set[str] = set()
+    for step in pipelines[name].steps:
+        if step.kind == "model":
+            used.add(step.name)
+        elif step.kind == "pipeline" and step.name in pipelines and step.name != name:
+            used |= _models_used(step.name, {k: v for k, v in pipelines.items() if k != name})
+    return used
+
+
+def _entry(name: str, pipelines: Mapping[str, PipelineConfig], seen: frozenset[str] = frozenset()) -> str | None:
+    """The model a pipeline's requests enter by: its first step's (through pipelines it names)."""
+    first = pipelines[name].steps[0]
+    if first.kind == "model":
+        return first.name
+    if first.name in seen or first.name not in pipelines:
+        return None
+    return _entry(first.name, pipelines, seen | {name})
+
+
+def _cycle(start: str, pipelines: Mapping[str, PipelineConfig], path: tuple[str, ...] = ()) -> tuple[str, ...] | None:
+    """A chain of pipeline steps from `start` back to the first pipeline of `path`, if there is one."""
+    path = (*path, start)
+    for step in pipelines[start].steps:
+        if step.kind != "pipeline" or step.name not in pipelines:
+            continue
+        if step.name == path[0]:
+            return (*path, step.name)
+        if step.name not in path and (found := _cycle(step.name, pipelines, path)):
+            return found
+    return None
+
+
+@dataclass(frozen=True)
+class _PipelineCheck:
+    """The checks of one pipeline, each problem one line naming file, key, value and what is accepted."""
+
+    name: str
+    config: PipelineConfig
+    fleet: FleetConfig
+    models: Mapping[str, ModelPlan]
+    transforms: TransformRegistry
+    source: str
+
+    def problems(self) -> list[str]:
+        key = f"{self.source}: pipelines.{self.name}"
+        if self.name in self.fleet.models:
+            return [(f"{key}: a model is named {self.name!r} too; models and pipelines share one name "
+                     "(POST /models/{name}/predict): rename one")]
+        problems = [f"{key}.steps[{i}].{message}" for i, step in enumerate(self.config.steps)
+                    if (message := self._unknown(step)) is not None]
+        if problems:
+            return problems
+        if (cycle := _cycle(self.name, self.fleet.pipelines)) is not None:
+            return [f"{key}.steps: a cycle of pipelines: {' -> '.join(cycle)}; a pipeline cannot run itself"]
+        steps = self.config.steps
+        for index in range(1, len(steps), 2):
+            problems += [f"{key}.steps[{index}]: {p}" for p in self._fits(steps[index - 1], steps[index], steps[index + 1])]
+        levels = {m: self.fleet.models[m].queue.priority_levels for m in sorted(_models_used(self.name, self.fleet.pipelines))}
+        if len(set(levels.values())) > 1:
+            shown = ", ".join(f"{m}: {n}" for m, n in levels.items())
+            problems.append(f"{key}: its models have different queue.priority_levels ({shown}); X-Priority carries "
+                            "to every step, so they must agree")
+        return problems
+
+    def _unknown(self, step: StepConfig) -> str | None:
+        """`key: why` when a step's name or options are not accepted."""
+        if step.kind == "model" and step.name not in self.fleet.models:
+            return "model: " + _no_such("model", step.name, list(self.fleet.models))
+        if step.kind == "pipeline" and step.name not in self.fleet.pipelines:
+            return "pipeline: " + _no_such("pipeline", step.name, list(self.fleet.pipelines))
+        if step.kind != "transform":
+            return None
+        info = self.transforms.get(step.name)
+        if info is None:
+            return f"transform: {self.transforms.why_missing(step.name)}"
+        return _options_problem(info.cls, step.options)
+
+    def _fits(self, before: StepConfig, transform: StepConfig, after: StepConfig) -> list[str]:
+        """Whether `transform` can read what `before` answers, and `after` take what it gives."""
+        info = self.transforms.get(transform.name)
+        assert info is not None
+        cls, problems = info.cls, []
+        entry_before, entry_after = self._model_of(before), self._model_of(after)
+        answers = self.models[entry_before].plugin.cls.answers
+        if cls.needs is not None and answers is not None and answers != cls.needs:
+            problems.append(f"transform {transform.name} reads the answer of a model that answers {cls.needs}; "
+                            f"{before.describe()} answers {answers} (plugin {self.models[entry_before].plugin.name})")
+        if cls.gives == "image" and not _takes_images(self.models[entry_before].plugin):
+            problems.append(f"transform {transform.name} passes on the image {before.describe()} took, but it takes "
+                            f"{', '.join(self.models[entry_before].plugin.cls.accepts)}")
+        plugin = self.models[entry_after].plugin
+        takes = _takes_images(plugin) if cls.gives == "image" else any(
+            fnmatch("application/json", pattern.lower()) for pattern in plugin.cls.accepts)
+        if not takes:
+            wanted = "image/*" if cls.gives == "image" else "application/json"
+            problems.append(f"transform {transform.name} gives {cls.gives}s, for a model that accepts {wanted}; "
+                            f"{after.describe()} accepts {', '.join(plugin.cls.accepts)} (plugin {plugin.name})")
+        return problems
+
+    def _model_of(self, step: StepConfig) -> str:
+        """The model a step's input goes to first (a pipeline step's entry model)."""
+        return step.name if step.kind == "model" else _entry(step.name, self.fleet.pipelines) or ""
+
+
+def _takes_images(plugin: PluginInfo) -> bool:
+    return any(pattern.lower().startswith("image/") for pattern in plugin.cls.accepts)
+
+
+def _no_such(what: str, name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"no {what} named {brief(name)}; {what}s: {', '.join(sorted(known)) or 'none'}{hint}"
+
+
+def _options_problem(cls: type[Transform], options: Mapping[str, Any]) -> str | None:  # type: ignore[type-arg]
+    """The first problem of a transform's options (unknown key, bad value), or None."""
+    accepted = option_keys(cls.Options)
+    unknown = [key for key in options if key not in accepted]
+    if unknown:
+        return (f"options.{clip(unknown[0], 80)}: unknown key; accepted: {', '.join(accepted) or 'none'} "
+                f"(got {brief(options[unknown[0]])})")
+    try:
+        cls.Options.model_validate(dict(options))
+    except ValidationError as exc:
+        lines = validation_problems(exc, "-", cls.Options, prefix="options.")
+        return "; ".join(line.removeprefix("-: ") for line in lines)
+    return None
+
+
+def transform_options(cls: type[Transform], options: Mapping[str, Any]) -> BaseModel:  # type: ignore[type-arg]
+    """A transform's options, validated (after `resolve_pipelines` accepted them)."""
+    return cls.Options.model_validate(dict(options))

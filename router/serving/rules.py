@@ -10,7 +10,12 @@ cluster's front (figures from its view of the replicas). The rules, in order:
 3. X-Timeout-Ms positive (the budget is the model's queue timeout, or shorter if asked): 400;
 4. room in the queue for every item: 503 with Retry-After, or 413 for more items than it ever holds;
 5. the deadline gate: 503 with Retry-After when the work ahead would push the answer past the
-   deadline (`router.scheduling.service_time.deadline_gate`).
+   deadline (`router.scheduling.service_time.deadline_gate`). A request that must finish (a
+   pipeline's later step, which has spent part of its time already) gets 504 instead, and even
+   an idle model refuses it when the prediction misses.
+
+A caller that waits for room (a pipeline's later step) asks `has_room` and, while it waits,
+`check_gate`, and calls `admit` once there is room.
 
 The decision is an `Admission`, a value made once and carried with the request: its model,
 priority level, deadline, queue position and predicted wait.
@@ -20,10 +25,10 @@ from __future__ import annotations
 
 import msgspec
 
-from router.errors import InputError, PayloadTooLarge, QueueFull, RouterError, error_named
-from router.scheduling.service_time import Forecast, deadline_gate, half_open
+from router.errors import DeadlineExceeded, InputError, PayloadTooLarge, QueueFull, RouterError, error_named
+from router.scheduling.service_time import Forecast, GateDecision, Prediction, deadline_gate, half_open
 
-__all__ = ["Admission", "ModelFigures", "Refusal", "Terms", "admit", "budget_s", "priority_level"]
+__all__ = ["Admission", "ModelFigures", "Refusal", "Terms", "admit", "budget_s", "check_gate", "has_room", "priority_level"]
 
 #: Figures older than this are not trusted to refuse on predictions (the engine decides instead).
 PREDICTION_FRESH_S = 0.25
@@ -38,6 +43,7 @@ class Terms(msgspec.Struct, frozen=True):
     priority: int | None = None
     timeout_ms: float | None = None
     items: int = 1
+    must_finish: bool = False  # a pipeline's later step: a predicted miss is 504, even for an idle model
 
 
 class Refusal(msgspec.Struct, frozen=True, array_like=True):
@@ -102,6 +108,10 @@ def budget_s(figures: ModelFigures, timeout_ms: float | None) -> float:
     return min(timeout_ms, limit) / 1000.0
 
 
+def has_room(figures: ModelFigures, items: int = 1, pending: int = 0) -> bool:
+    return figures.occupancy + pending + items <= figures.capacity
+
+
 def check_room(figures: ModelFigures, items: int, pending: int = 0) -> None:
     """QueueFull if `items` more requests cannot all be taken now; PayloadTooLarge if they never can.
     `pending`: requests this caller is preparing that the figures do not count yet."""
@@ -113,6 +123,29 @@ def check_room(figures: ModelFigures, items: int, pending: int = 0) -> None:
     if occupancy + items > capacity:
         room = f"room for {max(0, capacity - occupancy)} of {items} items" if items > 1 else f"{capacity} requests"
         raise QueueFull(f"model {name!r} queue is full ({room}); retry later", retry_after_s=figures.retry_after_s)
+
+
+def check_gate(terms: Terms, figures: ModelFigures, now: float, *, pending: int = 0) -> GateDecision:
+    """The deadline gate alone, for a request at the back of the queue: the decision, or the
+    refusal raised (503, or 504 for a request that must finish)."""
+    return _gate(terms, figures, now, pending)[0]
+
+
+def _gate(terms: Terms, figures: ModelFigures, now: float, pending: int) -> tuple[GateDecision, Prediction | None]:
+    deadline = min(terms.received_at, now) + budget_s(figures, terms.timeout_ms)
+    position = figures.occupancy + pending
+    forecast = figures.forecast
+    prediction = None if forecast is None else forecast.predict(now, position)
+    turn = half_open(figures.half_open_at, figures.half_open_interval_s, now, figures.last_sample_at)
+    decision = deadline_gate(prediction, deadline - now, idle=figures.idle and pending == 0, half_open=turn,
+                             strict=terms.must_finish)
+    if decision.admit:
+        return decision, prediction
+    if terms.must_finish:
+        raise DeadlineExceeded(f"model {figures.name!r} cannot answer before the deadline: {decision.reason}; "
+                               "the input was not run")
+    raise QueueFull(f"model {figures.name!r} is overloaded: {decision.reason}; retry later",
+                    retry_after_s=decision.retry_after_s)
 
 
 def admit(terms: Terms, figures: ModelFigures, now: float, *, pending: int = 0, gate: bool = True) -> Admission:
@@ -129,11 +162,6 @@ def admit(terms: Terms, figures: ModelFigures, now: float, *, pending: int = 0, 
     forecast = figures.forecast
     if not gate or (forecast is not None and now - figures.at > PREDICTION_FRESH_S):
         return Admission(terms.model, level, arrived, deadline, position)
-    prediction = None if forecast is None else forecast.predict(now, position)
-    turn = half_open(figures.half_open_at, figures.half_open_interval_s, now, figures.last_sample_at)
-    decision = deadline_gate(prediction, deadline - now, idle=figures.idle and pending == 0, half_open=turn)
-    if not decision.admit:
-        raise QueueFull(f"model {figures.name!r} is overloaded: {decision.reason}; retry later",
-                        retry_after_s=decision.retry_after_s)
+    decision, prediction = _gate(terms, figures, now, pending)
     wait = prediction.answer_in_s if prediction is not None else None
     return Admission(terms.model, level, arrived, deadline, position, wait, decision.measure, decision.half_open)

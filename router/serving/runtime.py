@@ -42,9 +42,9 @@ from router.serving.intake import SHUTTING_DOWN, Accepted, Intake
 from router.serving.isolation import RemotePlugin
 from router.serving.loading import load_deployment
 from router.serving.phases import trace_execution
-from router.serving.plan import FleetPlan
+from router.serving.plan import FleetPlan, PipelinePlan
 from router.serving.residency_executor import ResidencyExecutor, UnloadReport
-from router.serving.rules import Terms
+from router.serving.rules import Terms, budget_s, check_gate, has_room
 from router.serving.snapshots import DeviceInfo, ModelInfo, device_info, model_info
 from router.serving.telemetry import Telemetry, TelemetryFanout
 from router.tracing.api import Phases, Tracing, within_phase
@@ -229,6 +229,23 @@ class Runtime:
         self._check_open()
         return await self._editor.reload(path or Path(self._editor.plan.source))
 
+    def pipelines(self) -> list[PipelinePlan]:
+        """The pipelines served now (their runner, a front, reads them here: they change at run time)."""
+        return list(self._editor.plan.pipelines.values())
+
+    def pipeline(self, name: str) -> PipelinePlan | None:
+        return self._editor.plan.pipelines.get(name)
+
+    async def put_pipeline(self, name: str, section: Mapping[str, Any],
+                           source: str = "PUT /pipelines") -> tuple[str, PipelinePlan]:
+        """Add or change a pipeline from its fleet-file section: (added | changed | unchanged, its plan)."""
+        self._check_open()
+        return await self._editor.put_pipeline(name, section, f"{source}/{name}")
+
+    async def delete_pipeline(self, name: str) -> None:
+        """Stop serving a pipeline (requests inside it finish)."""
+        await self._editor.delete_pipeline(name)
+
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def load_all(self) -> None:
@@ -334,22 +351,30 @@ class Runtime:
         request_id: str | None = None,
         received_at: float | None = None,
         trace: Phases | None = None,
+        wait_for_room: bool = False,
+        must_finish: bool = False,
     ) -> Answer:
         """Run one input through a model. Raises a RouterError subclass on any failure.
         The deadline counts from `received_at` (the runtime's clock) when the caller knows it.
-        With `trace` (a sampled request's), each phase of the path is recorded there as it ends."""
+        With `trace` (a sampled request's), each phase of the path is recorded there as it ends.
+        A pipeline's later steps ask for two things more: `wait_for_room`, a full queue is
+        waited on until the deadline (then 504, not run) instead of refused with 503; and
+        `must_finish`, an input predicted to be answered after its deadline is refused with 504
+        without running, even by an idle model (`router.serving.rules.check_gate`)."""
         deployment = self._state.get(model)
         request_id = request_id or uuid.uuid4().hex
         started = self.clock() if received_at is None else min(received_at, self.clock())
-        terms = Terms(deployment.name, started, priority, timeout_ms)
+        terms = Terms(deployment.name, started, priority, timeout_ms, must_finish=must_finish)
         with self._inflight.request(lambda outcome: self._count(deployment.name, outcome, started)):
-            work = self._admitted(deployment, terms, payload, request_id, trace)
+            work = self._admitted(deployment, terms, payload, request_id, trace, wait_for_room)
             answer, deadline = await (work if trace is None else within_phase(trace, "admission", self.clock, work))
             self.telemetry.observe_answer(deployment.name, self.clock() - started, deadline - started)
             return answer
 
     async def _admitted(self, deployment: Deployment, terms: Terms, payload: Payload, request_id: str,
-                        trace: Phases | None) -> tuple[Answer, float]:
+                        trace: Phases | None, wait_for_room: bool = False) -> tuple[Answer, float]:
+        if wait_for_room:
+            await self.until_room(deployment, terms)
         admission = self.intake.check(deployment, terms)
         check_media_type(deployment.name, deployment.plugin.cls.accepts, payload)
         accepted = self.intake.commit(deployment, admission)
@@ -416,6 +441,26 @@ class Runtime:
         self.telemetry.observe_queue_wait(deployment.name, wait)
         return Answer(request_id, deployment.name, result, wait, batch.size, batch.execution_s,
                       batch.memory_delta_bytes, described)
+
+    async def until_room(self, deployment: Deployment, terms: Terms) -> None:
+        """Wait until the model's queue has room for the request; 504 (never run) if its deadline
+        comes first, or, for one that must finish, as soon as the work ahead makes it miss."""
+        while True:
+            room = deployment.room.next()  # taken before looking: no freed room falls in between
+            now = self.clock()
+            figures = self.intake.figures(deployment, now, gate=terms.must_finish)
+            if figures.refusal is not None:
+                raise figures.refusal.error()
+            if has_room(figures, terms.items):
+                return
+            if terms.must_finish:
+                check_gate(terms, figures, now)
+            deadline = terms.received_at + budget_s(figures, terms.timeout_ms)
+            try:
+                await asyncio.wait_for(room.wait(), max(0.0, deadline - self.clock()))
+            except TimeoutError:
+                raise DeadlineExceeded(f"deadline passed waiting for room in the queue of model "
+                                       f"{deployment.name!r}; the input was not run") from None
 
     def _check_open(self) -> None:
         if self.intake.closing:

@@ -34,7 +34,7 @@ def count_threads(cores: int, cpu_workers: int = 0, torch_threads: int = 0) -> T
     every core. With one batch at a time on the CPU the two overlap only while a batch runs and
     the next inputs decode. On 2 cores, pool 1 and pool 2 cost the same CPU time per answer
     (16.2 and 16.3 answers per CPU-second); pool 1 served more in steady load, pool 2 more goodput
-    in the cold 5x surge, so the pool keeps every core (README: "host pipeline")."""
+    in the cold 5x surge, so the pool keeps every core (docs/host-pipeline.md, "Threads")."""
     cores = max(1, cores)
     return ThreadCounts(cores=cores, cpu_workers=cpu_workers or cores, torch_threads=torch_threads or cores)
 

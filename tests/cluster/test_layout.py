@@ -55,3 +55,4 @@ def test_cluster_errors_are_one_line_naming_the_key(tmp_path: Path, section: str
     with pytest.raises(ConfigError) as caught:
         load_fleet(path)
     assert fragment in str(caught.value)
+

@@ -228,3 +228,20 @@ def test_replicas_scale_up_under_a_surge_and_back_down_after(tmp_path: Path, ray
     assert surge["statuses"] == {"200": surge["requests"]}
     assert up is not None and both
     assert max(n for _, n, _ in seen) <= 2 and min(n for _, n, _ in seen if n) >= 1
+
+
+def test_a_pipeline_runs_in_the_front_and_its_crops_cross_to_the_replicas(tmp_path: Path, ray_cluster: Any) -> None:
+    """Each crop goes through Ray's handle to a device replica as decoded pixels, never re-encoded."""
+    fleet = (f"model_store: {REPO / 'model_store'}\ndevices:\n  cpu: {{probe: none, memory_budget: 200MB}}\n"
+             "models:\n  boxes: {plugin: boxes, options: {boxes: [[0, 0, 10, 10, 0.9], [10, 0, 30, 20, 0.8]]}}\n"
+             "  pixels: {plugin: pixels}\n"
+             "pipelines:\n  dc: {steps: [{model: boxes}, {transform: crop}, {model: pixels}]}\n"
+             + cluster_section(free_port(), "{min: 1, max: 1}", "{boxes: {min: 1, max: 1}, pixels: {min: 1, max: 1}}"))
+    from router.sdk.images import example_jpeg
+
+    with deployed(tmp_path, fleet) as url:
+        answer = httpx.post(url + "/models/dc/predict", content=example_jpeg(64, 48).body,
+                            headers={"content-type": "image/jpeg"}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert [d["pixels"]["width"] for d in answer.json()["result"]["detections"]] == [10, 20]
+        assert cluster_models(url)["pixels"]["requests"] == {"ok": 2}

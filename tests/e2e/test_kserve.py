@@ -119,7 +119,8 @@ def test_health_and_metadata(fleet_server: RouterProcess) -> None:
         triton.get_model_metadata("yolov8n", model_version="2")
     assert caught.value.status() == "404" and caught.value.message() == "model 'yolov8n' has no version '2'; versions: 1"
     index = triton.get_model_repository_index()
-    assert {(m["name"], m["state"]) for m in index} == {("yolov8n", "READY"), ("resnet18", "READY")}
+    assert {(m["name"], m["state"]) for m in index} == {("yolov8n", "READY"), ("resnet18", "READY"),
+                                                        ("detect-classify", "READY")}  # the default fleet's pipeline
 
 
 @pytest.mark.parametrize("model", ["yolov8n", "resnet18"])

@@ -1,7 +1,7 @@
 """The live page in a real browser (headless Chromium) against a real router under load, with API
 keys set (the load of tests/traffic.py): the page asks for a key, then shows numbers that change
 while the load runs and that agree with GET /models once it stops. Saves a screenshot to reports/ui.png (docs/ui.png, which
-the README shows, is a copy of one)."""
+docs/operating.md shows, is a copy of one)."""
 
 from __future__ import annotations
 
@@ -127,6 +127,6 @@ def _report(name: str) -> Path:
 
 
 def _shrink(path: Path) -> None:
-    """A 64-colour palette: a few tens of KB for the README instead of a few hundred."""
+    """A 64-colour palette: a few tens of KB for docs/ instead of a few hundred."""
     with Image.open(path) as image:
         image.convert("RGB").quantize(colors=64).save(path, optimize=True)

@@ -67,13 +67,16 @@ CASES = {
     "mean-colour": Case({"decimals": 2}, photos),
     "unsplit": Case({}, lambda _: json_payloads({"id": "a"}, {"id": "b"}, {"id": "c"}), prepares_in_a_front=False),
     "engine-hooks": Case({}, lambda _: json_payloads({"id": "a"}, {"id": "b"}, {"id": "c"})),
+    "boxes": Case({"boxes": [[0, 0, 10, 10, 0.9]]}, photos),
+    "pixels": Case({}, photos),
 }
 
 INSTALLED = sorted(point.name for point in entry_points(group="model_router.plugins"))
 
 
 def test_every_bundled_plugin_is_installed_and_covered() -> None:
-    assert {"yolo", "resnet", "onnx", "tensorrt", "toy", "scripted", "mean-colour", "unsplit", "engine-hooks"} <= set(INSTALLED)
+    assert {"yolo", "resnet", "onnx", "tensorrt", "toy", "scripted", "mean-colour", "boxes", "pixels", "unsplit",
+            "engine-hooks"} <= set(INSTALLED)
 
 
 @pytest.mark.parametrize("name", INSTALLED)

@@ -66,6 +66,7 @@ class ResNetPlugin(ModelPlugin[ResNetOptions]):
 
     Options: ClassVar[type[BaseModel]] = ResNetOptions
     accepts: ClassVar[tuple[str, ...]] = ACCEPTED_MEDIA_TYPES
+    answers: ClassVar[str | None] = "classes"  # {"top_k": [...]}
 
     def __init__(self, options: ResNetOptions, context: PluginContext) -> None:
         super().__init__(options, context)

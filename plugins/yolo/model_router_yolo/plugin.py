@@ -16,6 +16,7 @@ from router.sdk import (
     ACCEPTED_MEDIA_TYPES,
     DEFAULT_MAX_ASPECT_RATIO,
     DEFAULT_MAX_PIXELS,
+    DETECTIONS,
     MemoryEstimate,
     ModelPlugin,
     Payload,
@@ -84,6 +85,7 @@ class YoloPlugin(ModelPlugin[YoloOptions]):
 
     Options: ClassVar[type[BaseModel]] = YoloOptions
     accepts: ClassVar[tuple[str, ...]] = ACCEPTED_MEDIA_TYPES
+    answers: ClassVar[str | None] = DETECTIONS  # a pipeline's `crop` reads the boxes
 
     def __init__(self, options: YoloOptions, context: PluginContext) -> None:
         super().__init__(options, context)

@@ -25,11 +25,11 @@ from router.http.disconnect import run_unless_disconnected
 from router.http.kserve.bounded_json import loads_bounded
 from router.http.kserve.codec import HEADER_LENGTH, decode_request, encode_error, encode_response
 from router.http.kserve.shared_memory_routes import SHARED_MEMORY_ROUTES, client_regions
-from router.http.request_state import note_error, received_at, request_phases, request_trace, runtime_of
+from router.http.request_state import note_error, pipelines_of, received_at, request_phases, request_trace, runtime_of
 from router.inference_protocol import repository
 from router.inference_protocol.request import InferRequest, router_priority
 from router.inference_protocol.shared_memory import ClientRegions
-from router.inference_protocol.submission import Ran, run_request
+from router.inference_protocol.submission import Entry, Ran, run_request
 from router.serving.facade import ServingFacade
 from router.serving.snapshots import ModelInfo
 from router.tracing.api import Phases
@@ -42,8 +42,10 @@ DEFAULT_MAX_ITEMS: Final = 1024
 
 
 def _model(request: Request[Any, Any, Any], name: str) -> ModelInfo:
-    """The model, 404 for an unknown name or a version (the path's `/versions/{version}`) it does not have."""
-    model = runtime_of(request).model(name)
+    """The model (for a pipeline, the model its requests enter by), 404 for an unknown name or a version
+    (the path's `/versions/{version}`) it does not have."""
+    pipelines = pipelines_of(request)
+    model = runtime_of(request).model(pipelines.plan(name).entry if pipelines.serves(name) else name)
     repository.check_version(name, request.path_params.get("version"))
     return model
 
@@ -74,12 +76,14 @@ async def server_ready(request: Request[Any, Any, Any]) -> Response[bytes]:
 
 @get(["/models/{name:str}", "/models/{name:str}/versions/{version:str}"], summary="V2 model metadata")
 async def model_metadata(name: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, Any]:
-    return repository.model_metadata(_model(request, name))
+    pipeline = name if pipelines_of(request).serves(name) else None  # a model to V2 clients, as Triton's ensembles
+    return repository.model_metadata(_model(request, name), pipeline=pipeline)
 
 
 @get(["/models/{name:str}/ready", "/models/{name:str}/versions/{version:str}/ready"], summary="V2 model readiness")
 async def model_ready(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[bytes]:
-    return _status(_model(request, name).serving)
+    model, pipelines = _model(request, name), pipelines_of(request)
+    return _status(pipelines.info(name).serving if pipelines.serves(name) else model.serving)
 
 
 # -- inference ------------------------------------------------------------------------------------
@@ -94,11 +98,12 @@ async def infer(name: FromPath[str], request: Request[Any, Any, Any]) -> Respons
     runtime = runtime_of(request)
     trace = request_phases(request.scope, "receive")
     model = _model(request, name)  # 404 before reading the body
-    runtime.precheck(name, received_at=received_at(request))  # draining, not serving, full: before the body
+    entry = _entry(request, runtime, name)
+    entry.precheck(name, received_at=received_at(request))  # draining, not serving, full: before the body
     limit = _body_limit(request)
     body = _decompress(await request.body(), request.headers.get("content-encoding"), limit)
     regions = client_regions(request, limit)
-    work = _decode_and_run(request, runtime, model, body, regions, trace)  # a client gone mid-decode stops it first
+    work = _decode_and_run(request, entry, model, body, regions, trace)  # a client gone mid-decode stops it first
     decoded, ran = await run_unless_disconnected(request.receive, work)
     if trace is not None:
         trace.enter("respond")  # from the runtime's answer
@@ -110,7 +115,7 @@ async def infer(name: FromPath[str], request: Request[Any, Any, Any]) -> Respons
 
 
 async def _decode_and_run(
-    request: Request[Any, Any, Any], runtime: ServingFacade, model: ModelInfo, body: bytes, regions: ClientRegions,
+    request: Request[Any, Any, Any], entry: Entry, model: ModelInfo, body: bytes, regions: ClientRegions,
     trace: Phases | None,
 ) -> tuple[InferRequest, Ran]:
     """Decode (off the event loop), then run the request through the model's queue as a whole."""
@@ -120,12 +125,20 @@ async def _decode_and_run(
     decoded = await asyncio.to_thread(decode_request, body, request.headers.get(HEADER_LENGTH), max_items=max_items,
                                       regions=regions)
     priority = router_priority(decoded.priority, model.priority_levels)
-    request.scope["state"]["access"] = {"model": model.name, "input_bytes": len(body) + regions.bytes_read,
+    request.scope["state"]["access"] = {"model": entry.name, "input_bytes": len(body) + regions.bytes_read,
                                         "items": decoded.items}
     traces = None if trace is None else _item_traces(request, trace, decoded.items)
-    ran = await run_request(runtime, model, decoded, priority=priority, timeout_ms=decoded.timeout_ms,
+    ran = await run_request(entry, model, decoded, priority=priority, timeout_ms=decoded.timeout_ms,
                             received_at=received_at(request), traces=traces)
     return decoded, ran
+
+
+def _entry(request: Request[Any, Any, Any], runtime: ServingFacade, name: str) -> Entry:
+    """Where the request's items go: a pipeline's runner for a pipeline's name, else the model's queue."""
+    pipelines = pipelines_of(request)
+    if pipelines.serves(name):
+        return Entry(name, pipelines.precheck, pipelines.run)
+    return Entry.model(runtime, name)
 
 
 def _item_traces(request: Request[Any, Any, Any], trace: Phases, items: int) -> list[Phases | None]:
@@ -176,7 +189,9 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
 
 @post("/repository/index", status_code=200, summary="V2 repository index: every model and its state")
 async def repository_index(request: Request[Any, Any, Any]) -> list[dict[str, str]]:
-    entries = repository.index_entries(runtime_of(request).models(), ready_only=_ready_flag(await request.body()))
+    pipelines = [(p.name, p.serving, p.error) for p in pipelines_of(request).infos()]
+    entries = repository.index_entries(runtime_of(request).models(), ready_only=_ready_flag(await request.body()),
+                                       pipelines=pipelines)
     return [asdict(entry) for entry in entries]
 
 

@@ -41,13 +41,6 @@ def _checked_registry(request: Request[Any, Any, Any]) -> SharedMemoryRegistry:
     return registry
 
 
-def _region_name(request: Request[Any, Any, Any]) -> str | None:
-    """The region a route with `{name}` names; None on its sibling path without one (read from the
-    path, not a handler argument, so Litestar does not take it for a query parameter there)."""
-    name = request.path_params.get("name")
-    return name if isinstance(name, str) else None
-
-
 def _ok() -> Response[bytes]:
     return Response(b"", status_code=200, media_type=MediaType.TEXT)
 
@@ -59,7 +52,7 @@ def _status_json(regions: list[RegionStatus]) -> list[dict[str, Any]]:
 @get(["/systemsharedmemory/status", "/systemsharedmemory/region/{name:str}/status"],
      summary="V2 system shared memory: the registered regions")
 async def system_status(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
-    return _status_json(_checked_registry(request).status(_region_name(request)))
+    return _status_json(_checked_registry(request).status(request.path_params.get("name")))
 
 
 @post("/systemsharedmemory/region/{name:str}/register", status_code=200,
@@ -82,14 +75,14 @@ async def system_register(name: FromPath[str], request: Request[Any, Any, Any]) 
 @post(["/systemsharedmemory/unregister", "/systemsharedmemory/region/{name:str}/unregister"], status_code=200,
       summary="V2 system shared memory: unregister one region, or every one")
 async def system_unregister(request: Request[Any, Any, Any]) -> Response[bytes]:
-    _checked_registry(request).unregister(_region_name(request))
+    _checked_registry(request).unregister(request.path_params.get("name"))
     return _ok()
 
 
 @get(["/cudasharedmemory/status", "/cudasharedmemory/region/{name:str}/status"],
      summary="V2 CUDA shared memory: not supported, so no region is ever registered")
 async def cuda_status(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
-    if _region_name(request) is not None:
+    if request.path_params.get("name") is not None:
         raise refuse_cuda()
     return []
 

@@ -46,10 +46,10 @@ async def asset(name: FromPath[str]) -> Response[bytes]:
     return _file(name)
 
 
-@get("/state", summary="The live page's data: devices, models and cumulative histograms",
+@get("/state", summary="The live page's data: devices, models, pipelines and cumulative histograms",
      opt={"access": Access.PREDICT})
 async def state(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    return fleet_state(request.app.state.runtime, request.app.state.metrics)
+    return fleet_state(request.app.state.runtime, request.app.state.metrics, request.app.state.pipelines)
 
 
 ui_router = Router(path="/ui", route_handlers=[page, asset, state])

@@ -1,6 +1,6 @@
 """What the live page shows, as one compact JSON document: the only place the page reads the router.
 
-Everything comes from the runtime's snapshots (`models()`, `devices()`) and the Prometheus
+Everything comes from the runtime's snapshots (`models()`, `devices()`), the pipeline runner's and the Prometheus
 registry's cumulative histograms; the page turns counts into rates and windowed percentiles
 itself, from the difference between two polls.
 """
@@ -14,6 +14,7 @@ from prometheus_client.core import Metric
 
 from router import __version__
 from router.http.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, RouterMetrics
+from router.pipelines import PipelineRunner
 from router.serving.facade import ServingFacade
 from router.serving.snapshots import DeviceInfo
 
@@ -24,8 +25,8 @@ RESIDENCY_FIELDS = ("residency",)
 _MODEL_FIELDS = ("name", "state", "error", "devices", "required", "requests")
 
 
-def fleet_state(runtime: ServingFacade, metrics: RouterMetrics) -> dict[str, Any]:
-    """Devices, models and cumulative histograms (of every process of a split host), at this moment."""
+def fleet_state(runtime: ServingFacade, metrics: RouterMetrics, pipelines: PipelineRunner | None = None) -> dict[str, Any]:
+    """Devices, models, pipelines and cumulative histograms (of every process of a split host), at this moment."""
     latency = _buckets(metrics.family(metrics.answer_latency))
     queue_wait = _buckets(metrics.family(metrics.queue_wait))
     batch_size = _buckets(metrics.family(metrics.batch_size))
@@ -55,7 +56,36 @@ def fleet_state(runtime: ServingFacade, metrics: RouterMetrics) -> dict[str, Any
         "devices": [_device(device) for device in devices if device.available],
         "device_errors": {device.name: device.error for device in devices if not device.available},
         "models": models,
+        "pipelines": [] if pipelines is None else pipeline_states(pipelines, metrics),
     }
+
+
+def pipeline_states(pipelines: PipelineRunner, metrics: RouterMetrics) -> list[dict[str, Any]]:
+    """Each pipeline: its chain, state, outcomes, its 200s' latency histogram, and per step the
+    items and batch sizes so far (totals: the page takes differences between polls)."""
+    latency = _buckets(metrics.family(metrics.pipeline_latency), "pipeline")
+    items, sizes = _sums(metrics.family(metrics.step_items)), _sums(metrics.family(metrics.step_batch_size))
+    out = []
+    for info in pipelines.infos():
+        steps = [{"step": key, "items": items[(info.name, key)], "batch_sizes": sizes.get((info.name, key))}
+                 for (name, key) in items if name == info.name]
+        out.append({"name": info.name, "state": info.state, "error": info.error, "requests": dict(info.requests),
+                    "chain": " → ".join(next(iter(step.values())) for step in info.steps),
+                    "histograms": {"latency": latency.get(info.name)}, "steps": steps})
+    return out
+
+
+def _sums(families: list[Metric]) -> dict[tuple[str, str], dict[str, float]]:
+    """Per (pipeline, step): how many observations and their sum."""
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for family in families:
+        for sample in family.samples:
+            entry = out.setdefault((sample.labels["pipeline"], sample.labels["step"]), {"count": 0, "sum": 0.0})
+            if sample.name.endswith("_count"):
+                entry["count"] = int(sample.value)
+            elif sample.name.endswith("_sum"):
+                entry["sum"] = round(sample.value, 6)
+    return out
 
 
 def _device(device: DeviceInfo) -> dict[str, Any]:
@@ -76,12 +106,12 @@ def _device(device: DeviceInfo) -> dict[str, Any]:
     }
 
 
-def _buckets(families: list[Metric]) -> dict[str, dict[str, Any]]:
-    """Per model: cumulative bucket counts (one per bound, +Inf last), total count and sum."""
+def _buckets(families: list[Metric], label: str = "model") -> dict[str, dict[str, Any]]:
+    """Per model (or pipeline): cumulative bucket counts (one per bound, +Inf last), total count and sum."""
     out: dict[str, dict[str, Any]] = {}
     for family in families:
         for sample in sorted(family.samples, key=_bucket_order):
-            entry = out.setdefault(sample.labels["model"], {"counts": [], "count": 0, "sum": 0.0})
+            entry = out.setdefault(sample.labels[label], {"counts": [], "count": 0, "sum": 0.0})
             if sample.name.endswith("_bucket"):
                 entry["counts"].append(int(sample.value))
             elif sample.name.endswith("_count"):

@@ -131,6 +131,8 @@
   }
   function remember(state) {
     state.byName = Object.fromEntries(state.models.map((m) => [m.name, m]));
+    state.pipelines = state.pipelines || [];
+    state.pipelineByName = Object.fromEntries(state.pipelines.map((p) => [p.name, p]));
     const newest = history[history.length - 1];
     if (newest && state.time < newest.time) history.length = 0;  // the clock went back: start again
     history.push(state);
@@ -213,6 +215,56 @@
     const models = $("models");
     for (const model of state.models) renderModel(cardFor(models, "model", model.name, modelCard), model, state);
     prune(models, "model", new Set(state.models.map((m) => m.name)));
+    const pipelines = $("pipelines");
+    $("pipelines-section").hidden = !state.pipelines.length;
+    for (const p of state.pipelines) renderPipeline(cardFor(pipelines, "pipeline", p.name, pipelineCard), p, state);
+    prune(pipelines, "pipeline", new Set(state.pipelines.map((p) => p.name)));
+  }
+
+  // -- pipelines: one card each; per step, items per request and mean batch size over the window --
+
+  function pipelineCard(name) {
+    return el("article", {class: "card model", "data-pipeline": name},
+      el("h3", {}, name, el("span", {class: "badge", "data-field": "state"}, "–"),
+        el("span", {class: "muted", "data-field": "chain"})),
+      el("p", {class: "error", "data-field": "error", hidden: ""}),
+      outcomesTable(),
+      el("dl", {class: "stats"}, stat("latency p50 (200s)", "p50"), stat("latency p99 (200s)", "p99")),
+      el("dl", {class: "stats", "data-field": "steps"}));
+  }
+
+  function renderPipeline(card, p, state) {
+    set(card, "state", p.state);
+    card.querySelector("[data-field=state]").className = `badge ${STATE_BADGE[p.state] ?? "bad"}`;
+    set(card, "chain", p.chain);
+    const error = card.querySelector("[data-field=error]");
+    error.hidden = !p.error;
+    set(card, "error", p.error || "");
+    const old = before(WINDOW_S);
+    const seconds = state.time - old.time;
+    const was = (old.pipelineByName || {})[p.name];
+    renderOutcomes(card, statusCounts(p), statusCounts(was), seconds);
+    const latency = bucketDelta(p.histograms.latency, was && was.histograms.latency);
+    set(card, "p50", fmtSeconds(quantile(0.5, state.buckets.latency, latency)));
+    set(card, "p99", fmtSeconds(quantile(0.99, state.buckets.latency, latency)));
+    const steps = card.querySelector("[data-field=steps]");
+    const keys = p.steps.map((s) => s.step).join();
+    if (steps.dataset.keys !== keys) {
+      steps.replaceChildren(...p.steps.flatMap((s) => [stat(`${s.step} items / request`, `items-${s.step}`),
+        stat(`${s.step} mean batch`, `batch-${s.step}`, "the size of the batch each of the step's items ran in")]));
+      steps.dataset.keys = keys;
+    }
+    const mean = (nowSum, oldSum) => {
+      if (!nowSum) return null;
+      const count = delta(nowSum.count, oldSum && oldSum.count), sum = nowSum.sum - ((oldSum && oldSum.count <= nowSum.count) ? oldSum.sum : 0);
+      return count ? sum / count : null;
+    };
+    for (const s of p.steps) {
+      const o = was && was.steps.find((x) => x.step === s.step);
+      const items = mean(s.items, o && o.items), batch = mean(s.batch_sizes, o && o.batch_sizes);
+      set(steps, `items-${s.step}`, items === null ? "–" : items.toFixed(1), items);
+      set(steps, `batch-${s.step}`, batch === null ? "–" : batch.toFixed(2), batch);
+    }
   }
 
   function legend(items) {
@@ -269,10 +321,22 @@
     drawChart(card.querySelector("canvas"), series, state.time, fmtBytes);
   }
 
-  function modelCard(name) {
+  // The outcome counters by status: a row of rates over the window, a row of totals.
+  function outcomesTable() {
     const head = el("tr", {}, el("th"), ...COLUMNS.map((c) => el("th", {}, c)));
     const row = (label, prefix) => el("tr", {}, el("td", {}, label),
       ...COLUMNS.map((c) => el("td", {"data-field": `${prefix}-${c}`}, "–")));
+    return el("table", {class: "outcomes"}, el("thead", {}, head),
+      el("tbody", {}, row(`per s (${WINDOW_S} s)`, "rate"), row("total", "total")));
+  }
+  function renderOutcomes(card, now, then, seconds) {
+    for (const c of COLUMNS) {
+      set(card, `total-${c}`, String(now[c]), now[c]);
+      set(card, `rate-${c}`, seconds > 0 ? fmtRate(delta(now[c], then[c]) / seconds) : "–");
+    }
+  }
+
+  function modelCard(name) {
     return el("article", {class: "card model", "data-model": name},
       el("h3", {}, name, el("span", {class: "badge", "data-field": "state"}, "–"),
         el("span", {class: "muted", "data-field": "where"})),
@@ -280,8 +344,7 @@
       el("dl", {class: "stats", "data-field": "residency", hidden: ""}),
       el("div", {class: "queue"}, el("span", {class: "muted"}, "queue"), el("div", {class: "bar"}, el("span")),
         el("span", {}, el("span", {"data-field": "queue-depth"}, "–"), " / ", el("span", {"data-field": "queue-capacity"}, "–"))),
-      el("table", {class: "outcomes"}, el("thead", {}, head),
-        el("tbody", {}, row(`per s (${WINDOW_S} s)`, "rate"), row("total", "total"))),
+      outcomesTable(),
       el("dl", {class: "stats"},
         stat("latency p50 (200s)", "p50"), stat("latency p99 (200s)", "p99"),
         stat("within deadline", "slo", "share of requests answered 200 within their deadline"),
@@ -315,10 +378,7 @@
     const seconds = state.time - old.time;
     const was = old.byName[m.name];
     const now = statusCounts(m), then = statusCounts(was);
-    for (const c of COLUMNS) {
-      set(card, `total-${c}`, String(now[c]), now[c]);
-      set(card, `rate-${c}`, seconds > 0 ? fmtRate(delta(now[c], then[c]) / seconds) : "–");
-    }
+    renderOutcomes(card, now, then, seconds);
     const requests = COLUMNS.reduce((sum, c) => sum + delta(now[c], then[c]), 0);
     const good = delta(m.within_deadline, was && was.within_deadline);
     set(card, "slo", requests ? fmtShare(good / requests) : "–");
