@@ -4,11 +4,16 @@
 LitServe parses JSON bodies itself and takes binary uploads as multipart, so images arrive as
 the form field `file` and JSON is handed to the plugin re-encoded (microseconds for these bodies).
 
-    python -m benchmarks.litserve_app --workload tiny --port 8002 --store model_store
+    python -m benchmarks.litserve_app --workload tiny --port 8002 --store model_store [--api-servers N|auto]
+
+`--api-servers` is LitServe's `num_api_servers`: 1 unless asked (the three original workloads);
+`auto` is LitServe's own default and its documented recommendation (None: as many HTTP server
+processes as inference workers, here one), N runs N of them (its docs: "2-8 depending on load").
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from collections.abc import Sequence
@@ -61,10 +66,14 @@ class PluginAPI(ls.LitAPI):
 
 
 def main() -> None:
-    workload, port, store = server_arguments(__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--api-servers", default="1", help="LitServe's num_api_servers: a number, or auto (None)")
+    workload, port, store, args = server_arguments(__doc__, parser)
     api = PluginAPI(workload, store)
     server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=10)
-    server.run(host="127.0.0.1", port=port, num_api_servers=1, log_level="warning", generate_client_file=False)
+    api_servers = None if args.api_servers == "auto" else int(args.api_servers)
+    server.run(host="127.0.0.1", port=port, num_api_servers=api_servers, log_level="warning",
+               generate_client_file=False)
 
 
 if __name__ == "__main__":

@@ -144,6 +144,18 @@ def _scenario_targets(scenarios: dict[str, Any]) -> list[dict[str, Any]]:
                                    p["ratios"][f"router_over_{other}"], 1.5,
                                    detail=f"{p['images_per_s']} images/s; p99 {p['p99_ms']} ms; classifier mean "
                                           f"batch {p['router'].get('classifier_mean_batch')}"))
+    if "split" in scenarios:  # issue 21: HTTP fronts on every core, one engine
+        f = scenarios["split"]["figures"]
+        targets.append(_target("split host: engine CPU per request, fast accelerator, workers 2 (us)", f["fast_engine_us"],
+                               50.0, at_most=True, detail=f"engine alone, batches of 64: {f['engine_alone_us']} us; "
+                                                          f"no-op model: {f['noop_engine_us']} us"))
+        targets.append(_target("split host: front CPU per request / the bare Litestar handler's, no-op model",
+                               f["front_over_bare"], 2.0, at_most=True,
+                               detail=f"fronts {f['noop_front_us']} us, bare {f['bare_us']} us, one process "
+                                      f"{f['noop_one_process_us']} us"))
+        targets.append(_target("split host: workers 2 / workers 1, fast accelerator", f["w2_over_w1"], 1.5,
+                               detail=f"{f['fast_w2_rps']} / {f['fast_w1_rps']} rps on {scenarios['split']['cores']} cores; "
+                                      f"16-core projection {scenarios['split']['projection']['ratio']}x"))
     if "multiplex" in scenarios:
         m = scenarios["multiplex"]
         r = m["ratios"]
@@ -205,6 +217,11 @@ def _scenario_runs(scenarios: dict[str, Any]) -> list[tuple[str, str, str, dict[
         p = scenarios["protocols"]
         runs += [("protocols", f"tritonclient {run['protocol']}",
                   f"{run['model']} {key.partition('/')[2]}, c={run['concurrency']}", run) for key, run in p["runs"].items()]
+    if "split" in scenarios:
+        for label in ("fast", "noop"):
+            part = scenarios["split"][label]
+            runs += [("split", name, f"{label} c={part['concurrency']} (median of {c['rounds']})", c["median_run"])
+                     for name, c in part["contenders"].items()]
     if "pipeline" in scenarios:
         p = scenarios["pipeline"]
         runs += [("pipeline", system, "detect-classify photos, c=16 (rps = images/s)", p[system])

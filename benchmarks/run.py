@@ -43,7 +43,7 @@ DEADLINE_S = 1.0
 OPEN_MULTIPLES = (0.5, 1.0, 2.0, 5.0)
 #: Workloads that run as one module in their own process (Ray's, or the gRPC/HTTP comparison): name -> module.
 SCENARIOS = {"cluster": "benchmarks.cluster", "multiplex": "benchmarks.multiplex", "protocols": "benchmarks.protocols",
-             "pipeline": "benchmarks.pipelines"}
+             "pipeline": "benchmarks.pipelines", "split": "benchmarks.split_host"}
 
 
 @dataclass(frozen=True)

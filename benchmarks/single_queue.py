@@ -79,7 +79,7 @@ def make_app(plugin: ModelPlugin[Any]) -> FastAPI:
 def main() -> None:
     import uvicorn
 
-    workload, port, store = server_arguments(__doc__)
+    workload, port, store, _ = server_arguments(__doc__)
     plugin = build_plugin(workload, store)
     uvicorn.run(make_app(plugin), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 

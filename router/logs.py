@@ -7,19 +7,23 @@ from __future__ import annotations
 import atexit
 import contextvars
 import functools
+import itertools
 import json
 import logging
+import os
 import queue
 import re
+import secrets
 import sys
+import threading
 import time
-from logging.handlers import QueueHandler, QueueListener
+from logging.handlers import QueueHandler
 from typing import Any, Literal, TextIO
 
 import msgspec
 
 __all__ = ["REQUEST_ID_PATTERN", "JsonFormatter", "LogFormat", "TextFormatter", "configure_logging", "formatter_for",
-           "incoming_or_new", "record_fields", "request_id_var", "trace_id_var"]
+           "incoming_or_new", "new_request_id", "record_fields", "request_id_var", "trace_id_var"]
 
 _JSON = msgspec.json.Encoder(enc_hook=str)
 
@@ -29,9 +33,31 @@ trace_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("trace
 REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
-def incoming_or_new(incoming: str | None, new: str) -> str:
-    """The caller's request id when it is sane, else `new`."""
-    return incoming if incoming and REQUEST_ID_PATTERN.match(incoming) else new
+def incoming_or_new(incoming: str | None, new: str | None = None) -> str:
+    """The caller's request id when it is sane, else `new` (a fresh one by default)."""
+    if incoming and REQUEST_ID_PATTERN.match(incoming):
+        return incoming
+    return new or new_request_id()
+
+
+class _RequestIds:
+    """32 hex digits per request, as a uuid4's hex: a random prefix drawn once per process (again
+    in a forked child) and a counter. A uuid4 reads the system's random source each time, a system
+    call per request; an id only has to be unique, not unguessable (nothing is granted by one)."""
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self.prefix = secrets.token_hex(8)
+        self.counter = itertools.count()
+
+    def __call__(self) -> str:
+        return f"{self.prefix}{next(self.counter):016x}"
+
+
+new_request_id = _RequestIds()
 
 # Record attributes that are not fields; uvicorn's `color_message` repeats the message with ANSI codes.
 _RESERVED = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "color_message"}
@@ -119,7 +145,60 @@ class _DeferredHandler(QueueHandler):
         return record
 
 
-_listener: QueueListener | None = None
+class _Writer(threading.Thread):
+    """The background writer: it wakes when a record comes, waits `FLUSH_EVERY_S` for more, then
+    formats everything queued and writes it in one write. One wake-up per record (what the
+    standard library's QueueListener does, with a write and a flush each) cost a busy front a
+    context switch per request; batched, records cost their formatting and a share of one write."""
+
+    def __init__(self, records: queue.SimpleQueue[logging.LogRecord | None], stream: TextIO,
+                 formatter: logging.Formatter) -> None:
+        super().__init__(name="router-log-writer", daemon=True)
+        self.records, self.stream, self.formatter = records, stream, formatter
+        self._stopped = False
+
+    def run(self) -> None:
+        while True:
+            first = self.records.get()
+            if first is not None and not self._stopped:
+                time.sleep(FLUSH_EVERY_S)  # let the burst gather
+            batch = [first]
+            while True:
+                try:
+                    batch.append(self.records.get_nowait())
+                except queue.Empty:
+                    break
+            done = None in batch
+            self._write([r for r in batch if r is not None])
+            if done:
+                return
+
+    def _write(self, records: list[logging.LogRecord]) -> None:
+        lines = []
+        for record in records:
+            try:
+                lines.append(self.formatter.format(record))
+            except Exception:  # noqa: BLE001  # a record that does not format: say so, keep the others
+                lines.append(f"model-router: a log record did not format: {record.msg!r}")
+        if not lines:
+            return
+        try:
+            self.stream.write("\n".join(lines) + "\n")
+            self.stream.flush()
+        except (OSError, ValueError):  # stderr closed (the parent went away): nothing to write to
+            pass
+
+    def stop(self) -> None:
+        """Write what is queued, then end (at exit, or when logging is configured again)."""
+        if self.is_alive():
+            self._stopped = True
+            self.records.put(None)
+            self.join(5)
+
+
+#: How long the writer lets records gather after the first one wakes it.
+FLUSH_EVERY_S = 0.01
+_listener: _Writer | None = None
 
 
 class _Role(logging.Filter):
@@ -140,10 +219,8 @@ def configure_logging(level: str = "info", fmt: LogFormat = "auto", role: str | 
     global _listener
     if _listener is not None:
         _listener.stop()
-    writer = logging.StreamHandler(sys.stderr)
-    writer.setFormatter(formatter_for(fmt, sys.stderr))
-    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
-    _listener = QueueListener(records, writer, respect_handler_level=False)
+    records: queue.SimpleQueue[logging.LogRecord | None] = queue.SimpleQueue()
+    _listener = _Writer(records, sys.stderr, formatter_for(fmt, sys.stderr))
     _listener.start()
     atexit.register(_listener.stop)
     root = logging.getLogger()

@@ -84,3 +84,30 @@ def test_the_pipeline_scenario_renders_and_its_client_chain_cuts_what_the_router
     results["targets"] = evaluate(results)
     assert [t["met"] for t in results["targets"]] == [True, False]
     assert "client_chain" in render(results)
+
+
+def test_the_split_host_scenario_measures_roles_projects_and_renders(tmp_path: Path) -> None:
+    """One short run of a split router (its CPU per answer by role, as the scenario reads it), the
+    engine alone, the projection, and the scenario's targets and rows in the report."""
+    from benchmarks.engine_alone import engine_alone
+    from benchmarks.split_host import contender_run, project, summarise
+    from benchmarks.workloads import HOST_WORKLOADS
+
+    run = contender_run("router", "2", HOST_WORKLOADS["noop"], tmp_path, tmp_path, 8, 1.0, 0.5)
+    assert run["statuses"] == {"200": run["statuses"]["200"]} and {"engine", "front", "parent"} <= set(run["cpu_us_per_answer"])
+    alone = engine_alone(1, 8, 0.5, 8)
+    assert alone["answered"] > 0 and alone["failed"] == 0 and alone["engine_cpu_us_per_request"] > 0
+    projection = project(front_us=600.0, engine_us=40.0, one_process_us=700.0)
+    assert projection["split_rps"] == 12308 and projection["split_bound_by"] == "the accelerator"  # 64 / 5.2 ms
+    assert projection["one_process_rps"] == 1429 and projection["ratio"] == 8.62
+    summary = summarise([run])
+    figures = {"fast_engine_us": 40.0, "engine_alone_us": 30.0, "noop_engine_us": 45.0, "front_over_bare": 2.5,
+               "noop_front_us": 600.0, "bare_us": 240.0, "noop_one_process_us": 700.0, "w2_over_w1": 1.6,
+               "fast_w2_rps": 1600.0, "fast_w1_rps": 1000.0}
+    scenario = {"cores": 2, "figures": figures, "projection": projection,
+                "fast": {"concurrency": 256, "contenders": {"router 2": summary}},
+                "noop": {"concurrency": 64, "contenders": {"router 2": summary}}}
+    results = {"deadline_s": 1.0, "workloads": {}, "scenarios": {"split": scenario}}
+    results["targets"] = evaluate(results)
+    assert [t["met"] for t in results["targets"]] == [True, False, True]
+    assert "fast c=256 (median of 1)" in render(results)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -76,7 +75,7 @@ def peer_host(peer: str | None) -> str | None:
 def call_of(context: aio.ServicerContext[Any, Any], method: str) -> Call:
     metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
     remaining = context.time_remaining()
-    return Call(method, incoming_or_new(metadata.get("x-request-id"), uuid.uuid4().hex), time.monotonic(),
+    return Call(method, incoming_or_new(metadata.get("x-request-id")), time.monotonic(),
                 None if remaining is None else max(0.0, remaining * 1000.0), peer_host(context.peer()), metadata)
 
 

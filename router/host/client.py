@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -52,6 +51,7 @@ from router.host.messages import Terms as TermsMessage
 from router.host.packing import Packer, unpack
 from router.host.stream import EngineStream, handshake
 from router.host.verbs import call_args, decode_result, pipeline_from_wire
+from router.logs import new_request_id
 from router.scheduling.queue import BatchFacts
 from router.sdk.plugin import Payload
 from router.serving.checks import check_answer, check_media_type
@@ -284,7 +284,7 @@ class EngineClient:
         `wait_for_room` and `must_finish` (a pipeline's later steps, `Runtime.submit`) go to the
         engine with the request; such a request is not refused here for a full queue."""
         front = self._model(model)
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or new_request_id()
         started = self.clock() if received_at is None else min(received_at, self.clock())
         terms = Terms(model, started, priority, timeout_ms, must_finish=must_finish)
         with self._inflight.request(lambda outcome: self._count(model, outcome, started)):

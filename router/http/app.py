@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
@@ -220,7 +219,7 @@ def request_id_middleware(app: ASGIApp, *, body_timeout_s: float, memory: BodyMe
             await app(scope, receive, send)
             return
         incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        request_id = incoming_or_new(incoming, uuid.uuid4().hex)
+        request_id = incoming_or_new(incoming)
         token = request_id_var.set(request_id)
         mark_received(scope)
         trace = _start_trace(tracing, scope) if tracing is not None else None

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import re
 import time
-import uuid
 from collections.abc import Sequence
 
 import msgspec
@@ -89,7 +88,7 @@ class EarlyRefusals:
     def _refusal(self, exc: RouterError, path: str, started: float, incoming_id: str | None,
                  request_headers: Sequence[tuple[bytes, bytes]]) -> EarlyAnswer:
         """The app's answer to `exc` on this route: its status, headers and JSON body."""
-        rid = incoming_or_new(incoming_id, uuid.uuid4().hex)
+        rid = incoming_or_new(incoming_id)
         body = msgspec.json.encode(error_body(exc.detail, rid))
         headers = [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in exc.headers.items()]
         headers += [(b"content-type", b"application/json"), (b"x-request-id", rid.encode("latin-1"))]

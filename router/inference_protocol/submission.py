@@ -5,7 +5,6 @@ front that speaks V2 (HTTP, gRPC, a gRPC stream's frames) runs its requests thro
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 from router.errors import RouterError
 from router.inference_protocol.payloads import select_outputs, signature, to_payloads
 from router.inference_protocol.request import InferRequest, RequestedOutput
-from router.logs import request_id_var
+from router.logs import new_request_id, request_id_var
 from router.sdk.plugin import Payload
 from router.serving.facade import ServingFacade
 from router.serving.runtime import Answer
@@ -85,7 +84,7 @@ async def submit_all(
 
 def _start(entry: Entry, payloads: Sequence[Payload], priority: int | None, timeout_ms: float | None,
            arrived: float | None, traces: Sequence[Phases | None] | None = None) -> list[asyncio.Future[Any]]:
-    base = request_id_var.get() or uuid.uuid4().hex
+    base = request_id_var.get() or new_request_id()
     ids = [base] if len(payloads) == 1 else [f"{base}.{i}" for i in range(len(payloads))]
     tasks = []
     for index, (payload, rid) in enumerate(zip(payloads, ids, strict=True)):

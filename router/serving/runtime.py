@@ -18,7 +18,6 @@ import gc
 import logging
 import os
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,6 +26,7 @@ from typing import Any, TypeVar
 
 from router.config import FleetConfig
 from router.errors import DeadlineExceeded, RouterError, ShuttingDown, outcome_of
+from router.logs import new_request_id
 from router.scheduling.probes import MemoryProbe, make_probe
 from router.scheduling.queue import ModelQueue, Ticket
 from router.scheduling.scheduler import DeviceScheduler
@@ -362,7 +362,7 @@ class Runtime:
         `must_finish`, an input predicted to be answered after its deadline is refused with 504
         without running, even by an idle model (`router.serving.rules.check_gate`)."""
         deployment = self._state.get(model)
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or new_request_id()
         started = self.clock() if received_at is None else min(received_at, self.clock())
         terms = Terms(deployment.name, started, priority, timeout_ms, must_finish=must_finish)
         with self._inflight.request(lambda outcome: self._count(deployment.name, outcome, started)):

@@ -245,8 +245,13 @@ def test_a_step_that_cannot_finish_answers_504_and_its_crops_never_run(scripted:
     assert response.status_code == 504, response.text
     assert response.json()["detail"].startswith("pipeline 'quick', step 2:pixels: model 'pixels' cannot answer before "
                                                 "the deadline")
-    # Both crops were refused by the classifier's gate (its requests say so), so none was queued to run later.
-    assert httpx.get(server.url + "/models/pixels", timeout=10).json()["requests"] == {"deadline": 2}
+    # The crops were refused by the classifier's gate (its requests say so), so none was queued to run
+    # later. In one process both are refused at once; on a split host the front refuses from the
+    # board's figures, or (figures older than the rules trust) the engine does, and a crop whose
+    # answer has not come back when the first 504 does is cancelled with its request.
+    requests = httpx.get(server.url + "/models/pixels", timeout=10).json()["requests"]
+    assert requests.get("deadline", 0) >= 1 and set(requests) <= {"deadline", "cancelled"}, requests
+    assert sum(requests.values()) == 2, requests
     assert not record.exists() or record.read_text() == ""
 
 

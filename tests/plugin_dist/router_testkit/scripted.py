@@ -56,7 +56,6 @@ class ScriptedPlugin(ModelPlugin[ScriptedOptions]):
         self.loaded = True
         self.batches = 0
         self.served = 0  # batches other than warm-up
-        self.executed: list[list[str]] = []
         self._lock = threading.Lock()
 
     def preprocess(self, payload: Payload) -> str:
@@ -79,21 +78,22 @@ class ScriptedPlugin(ModelPlugin[ScriptedOptions]):
             with self._lock:
                 self.served += 1
                 cost_ms *= options.slow_factor if self.served <= options.slow_first else 1.0
-        sleep(cost_ms / 1000.0)
+        if cost_ms:  # a no-op model does not yield its thread for nothing
+            sleep(cost_ms / 1000.0)
         if options.hang_on is not None and options.hang_on in items:
             sleep(options.hang_ms / 1000.0)
         end = clock()
         with self._lock:
             self.batches += 1
             batch = self.batches
-            self.executed.append(list(items))
         self._record(items, start, end)
         if options.fail == "always" or (options.fail == "marked" and any(i.startswith("fail") for i in items)):
             raise RuntimeError(f"scripted failure in batch {batch}")
         return [{"id": item, "batch": batch} for item in items]
 
     def postprocess(self, output: Any, item: Any) -> Any:
-        time.sleep(self.options.post_ms / 1000.0)
+        if self.options.post_ms:  # no sleep(0): a no-op model's postprocess is free, as a real one's would be
+            time.sleep(self.options.post_ms / 1000.0)
         if not getattr(self, "loaded", False):  # as a real model's would: its network is gone
             raise RuntimeError("model is not loaded")
         return output
