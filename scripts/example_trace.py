@@ -1,9 +1,11 @@
 """Print the trace of one request as docs/tracing.md shows it: a real `model-router serve` on a
 loopback port exporting OTLP/HTTP to a receiver in this process, four requests sent at once
 (the first with a client's traceparent) so that they share a batch, and the first one's trace
-rendered as text from the spans received.
+rendered as text from the spans received. With `--pipeline`: config/fleet.yaml's detect-classify
+on the demo store, bus.jpg and zidane.jpg sent at once, bus.jpg's trace (a stage per step, each
+crop's phases and the classifier batch it shared with the other request's crops).
 
-    .venv/bin/python scripts/example_trace.py
+    .venv/bin/python scripts/example_trace.py [--pipeline]
 """
 
 from __future__ import annotations
@@ -31,7 +33,47 @@ models:
 CLIENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pipeline() -> int:
+    """detect-classify on two photos at once, batch windows widened (300 ms) so that their crops meet."""
+    import re
+
+    import ultralytics
+
+    photos = Path(ultralytics.__file__).parent / "assets"
+    text = (REPO / "config" / "fleet.yaml").read_text(encoding="utf-8")
+    text = text.replace("model_store: ../model_store", f"model_store: {REPO / 'model_store'}")
+    text = re.sub(r"max_delay_ms: \d+", "max_delay_ms: 300", text)
+    with receiver() as otlp, tempfile.TemporaryDirectory() as tmp:
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "OTEL_BSP_SCHEDULE_DELAY": "50"}
+        with serve(Path(tmp), text, env=env, timeout=180) as server:
+            together = threading.Barrier(2)
+
+            def one(photo: str) -> None:
+                together.wait(10)
+                httpx.post(f"{server.url}/models/detect-classify/predict", content=(photos / photo).read_bytes(),
+                           headers={"content-type": "image/jpeg", "x-request-id": photo.removesuffix(".jpg")},
+                           timeout=120).raise_for_status()
+
+            threads = [threading.Thread(target=one, args=(photo,)) for photo in ("bus.jpg", "zidane.jpg")]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(150)
+            root = otlp.wait_for(lambda got: next((s for s in got if s.kind == SERVER
+                                                   and s.attributes.get("router.request_id") == "bus"), None))
+            otlp.wait_for(lambda got: all(link.span_id in {b.span_id for b in got} for s in got
+                                          if s.trace_id == root.trace_id and s.name == "execute" for link in s.links)
+                          and any(s.name == "execute" and s.trace_id == root.trace_id for s in got))
+            print(text_tree(otlp.spans, root))
+    return 0
+
+
 def main() -> int:
+    if "--pipeline" in sys.argv[1:]:
+        return pipeline()
     with receiver() as otlp, tempfile.TemporaryDirectory() as tmp:
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "OTEL_BSP_SCHEDULE_DELAY": "50"}
         with serve(Path(tmp), FLEET, env=env) as server:
