@@ -87,7 +87,7 @@ async def test_a_pipeline_run_as_a_step_nests_its_steps_stages(tmp_path: Path) -
     assert sorted(stages) == ["step 0:dc", "step 1:whole", "step 2:pixels"]
     inner = by_name(under(exporter, stages["step 0:dc"]))
     assert sorted(inner) == ["step 0:dc/0:boxes", "step 0:dc/1:crop", "step 0:dc/2:pixels"]
-    assert stages["step 0:dc"].attributes["router.pipeline"] == "dc"  # type: ignore[index]
+    assert stages["step 0:dc"].attributes == {"router.step": "0:dc", "router.pipeline": "dc"}  # its items are its steps'
     outer, nested = stages["step 0:dc"], inner["step 0:dc/2:pixels"]
     assert outer.start_time <= nested.start_time and nested.end_time <= outer.end_time  # type: ignore[operator]
 

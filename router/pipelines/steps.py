@@ -96,7 +96,8 @@ class RequestSteps:
         for key, stage in self._stages.items():
             stats = self.steps[key]
             error = next((e for k, e in failures.items() if k == key or k.startswith(f"{key}/")), None)
-            stage.describe(**{"router.items": stats.items})
+            if stats.kind != "pipeline":  # a pipeline's items are its own steps'
+                stage.describe(**{"router.items": stats.items})
             stage.end(at if error is not None or stats.last_at is None else stats.last_at, error)
 
     def model_step(self, key: str, name: str, started: float, ended: float, queue_s: float, execution_s: float,
