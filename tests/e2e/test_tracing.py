@@ -385,10 +385,11 @@ ITEM_PHASES = PHASES[1:-1]  # admission .. postprocess
 @pytest.fixture(scope="module")
 def pipeline_server(tmp_path_factory: pytest.TempPathFactory, otlp: Receiver) -> Iterator[RouterProcess]:
     """config/fleet.yaml (detect-classify) on the demo store, every limit at 60 s, and batch windows
-    wide enough (300 ms) that the detections of requests sent together, and then their crops, share batches."""
+    wide enough (1 s, for a busy machine) that the detections of requests sent together, and then their
+    crops, share batches."""
     text = (REPO / "config" / "fleet.yaml").read_text(encoding="utf-8")
     text = text.replace("model_store: ../model_store", f"model_store: {REPO / 'model_store'}")
-    text = re.sub(r"max_delay_ms: \d+", "max_delay_ms: 300", re.sub(r"timeout_ms: \d+", "timeout_ms: 60000", text))
+    text = re.sub(r"max_delay_ms: \d+", "max_delay_ms: 1000", re.sub(r"timeout_ms: \d+", "timeout_ms: 60000", text))
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "OTEL_BSP_SCHEDULE_DELAY": "50", "MODEL_ROUTER_LOG_FORMAT": "json"}
     with serve(tmp_path_factory.mktemp("pipeline"), text, env=env, timeout=180) as process:
         yield process
