@@ -43,6 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from router.http.server import run_server
     from router.inference_protocol.shared_memory import SharedMemoryRegistry
     from router.logs import configure_logging
+    from router.pipelines import PipelineRunner
     from router.serving.runtime import Runtime
     from router.serving.threads import apply_threads, available_cores, count_threads
 
@@ -63,12 +64,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     apply_threads(threads)
     runtime = Runtime(plan, cpu_workers=threads.cpu_workers, tracing=tracing)
     shared_memory = SharedMemoryRegistry(settings.shared_memory)
+    pipelines = PipelineRunner(runtime)  # one runner for every front of this process: HTTP and gRPC
     listeners: list[Listener] = []
     if settings.grpc_port:
-        listeners.append(grpc_server(runtime, settings, policy, shared_memory))
+        listeners.append(grpc_server(runtime, settings, policy, shared_memory, pipelines, tracing))
     app = create_app(runtime, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
                      access_policy=policy, body_timeout_s=settings.body_timeout_s, max_items=settings.max_items,
-                     trim_memory=settings.trim_memory, shared_memory=shared_memory, listeners=listeners, tracing=tracing)
+                     trim_memory=settings.trim_memory, shared_memory=shared_memory, listeners=listeners, tracing=tracing,
+                     pipelines=pipelines)
     log.info(policy.describe())
     log.info("tracing: %s", tracing.describe() if tracing is not None else "off (no OTEL_EXPORTER_OTLP_ENDPOINT)")
     run_server(app, runtime, settings)

@@ -45,6 +45,7 @@ __all__ = [
     "brief",
     "clip",
     "error_named",
+    "grpc_code",
     "grpc_status",
     "outcome_of",
     "v2_status",
@@ -245,19 +246,30 @@ def v2_status(error: RouterError) -> tuple[int, dict[str, str]]:
 
 #: gRPC's status codes (their names in grpc.StatusCode) for the statuses above: what a gRPC client
 #: sees for each error. An expired deadline is DEADLINE_EXCEEDED (the HTTP native status, not V2's
-#: 503), and a 503's retry hint travels in trailing metadata (`grpc_status`).
+#: 503), and a 503's retry hint travels in trailing metadata (`grpc_status`). A 409 (an operator's
+#: change refused because something depends on it: a model a pipeline uses) is FAILED_PRECONDITION,
+#: gRPC's code for "not in the state the operation needs; do not retry until that state is fixed"
+#: (its own example: rmdir of a directory that is not empty); ABORTED is for a concurrency conflict
+#: that a retry of the read-modify-write may resolve, which this is not.
 GRPC_CODES: Final[dict[int, str]] = {
     400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
-    408: "DEADLINE_EXCEEDED", 413: "RESOURCE_EXHAUSTED", 415: "INVALID_ARGUMENT", 499: "CANCELLED",
-    500: "INTERNAL", 501: "UNIMPLEMENTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED",
+    408: "DEADLINE_EXCEEDED", 409: "FAILED_PRECONDITION", 413: "RESOURCE_EXHAUSTED", 415: "INVALID_ARGUMENT",
+    499: "CANCELLED", 500: "INTERNAL", 501: "UNIMPLEMENTED", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED",
 }
+
+
+def grpc_code(status: int) -> str:
+    """The gRPC code name of a router status: OK below 400, else from `GRPC_CODES`."""
+    if status < 400:
+        return "OK"
+    return GRPC_CODES.get(status, "UNKNOWN" if status < 500 else "INTERNAL")
 
 
 def grpc_status(error: RouterError) -> tuple[str, dict[str, str]]:
     """The gRPC code name and trailing metadata of an error: `retry-after` (seconds, as the HTTP
     header) and `grpc-retry-pushback-ms` (read by gRPC's own retry policy) when a retry may succeed
     (every 503: one second where the error names no time)."""
-    code = GRPC_CODES.get(error.status_code, "UNKNOWN" if error.status_code < 500 else "INTERNAL")
+    code = grpc_code(error.status_code)
     retry = error.retry_after_s if error.retry_after_s is not None else (1.0 if error.status_code == 503 else None)
     if retry is None:
         return code, {}

@@ -3,7 +3,7 @@
 Only the shape is checked here (what each step is, and that models and transforms alternate);
 the names a step uses, the transforms' options and whether each step can take what the one
 before gives are checked against the fleet and the installed plugins by
-`router.serving.pipeline_plan`, before any port opens.
+`router.serving.plan`, before any port opens.
 """
 
 from __future__ import annotations

@@ -143,24 +143,39 @@ def receiver() -> Iterator[Receiver]:
 
 
 def text_tree(spans: list[ReceivedSpan], root: ReceivedSpan) -> str:
-    """One request's trace as text: its server span, each phase under it with its times from the
-    request's start, and the batch span its execute phase links to."""
+    """One request's trace as text: its server span, each span under it (phases, a pipeline's
+    stages and their items' phases, nested) with its times from the request's start, and the
+    batch span each execute phase links to."""
     by_id = {span.span_id: span for span in spans}
 
     def row(span: ReceivedSpan, prefix: str, name: str) -> str:
         start, end = (span.start_ns - root.start_ns) / 1e6, (span.end_ns - root.start_ns) / 1e6
         status = f"  ERROR: {span.status_message}" if span.status_code == STATUS_ERROR else ""
-        return f"{prefix}{name:<34}{start:9.3f} → {end:9.3f} ms  {end - start:9.3f} ms{status}"
+        return f"{prefix + name:<44}{start:9.3f} → {end:9.3f} ms  {end - start:9.3f} ms{status}"
 
     lines = [row(root, "", root.name), f"    trace {root.trace_id}, parent {root.parent_id or '(none: a root)'}"]
-    phases = sorted((s for s in spans if s.parent_id == root.span_id), key=lambda s: s.start_ns)
-    for index, phase in enumerate(phases):
-        lines.append(row(phase, "└─ " if index == len(phases) - 1 else "├─ ", phase.name))
-        for link in phase.links:
-            batch = by_id.get(link.span_id)
-            if batch is None:
-                continue
-            shown = ", ".join(f"{k.removeprefix('router.')}={v}" for k, v in sorted(batch.attributes.items()))
-            served = ", ".join(str(other.attributes.get("router.request_id")) for other in batch.links)
-            lines += [row(batch, "│    ⇢ ", f"{batch.name} (linked)"), f"│        {shown}", f"│        served: {served}"]
+    shown_batches: set[str] = set()
+
+    def walk(parent: ReceivedSpan, indent: str) -> None:
+        below = sorted((s for s in spans if s.parent_id == parent.span_id), key=lambda s: s.start_ns)
+        for index, span in enumerate(below):
+            last = index == len(below) - 1
+            item = span.attributes.get("router.item")
+            lines.append(row(span, indent + ("└─ " if last else "├─ "), span.name if item is None else f"{span.name} #{item}"))
+            deeper = indent + ("   " if last else "│  ")
+            for link in span.links:
+                batch = by_id.get(link.span_id)
+                if batch is None:
+                    continue
+                if batch.span_id in shown_batches:
+                    lines.append(f"{deeper}  ⇢ {batch.name} (linked, as above)")
+                    continue
+                shown_batches.add(batch.span_id)
+                shown = ", ".join(f"{k.removeprefix('router.')}={v}" for k, v in sorted(batch.attributes.items()))
+                served = ", ".join(str(other.attributes.get("router.request_id")) for other in batch.links)
+                lines.extend([row(batch, f"{deeper}  ⇢ ", f"{batch.name} (linked)"), f"{deeper}      {shown}",
+                              f"{deeper}      served: {served}"])
+            walk(span, deeper)
+
+    walk(root, "")
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from tritonclient.grpc import service_pb2
 from tritonclient.grpc._utils import _get_inference_request
 
 from router.errors import (
+    Conflict,
     DeadlineExceeded,
     ExecutionTimeout,
     Forbidden,
@@ -186,6 +187,8 @@ def test_errors_map_to_grpc_codes_from_the_one_table() -> None:
     assert grpc_status(QueueFull("full", retry_after_s=2.5)) == (
         "UNAVAILABLE", {"retry-after": "3", "grpc-retry-pushback-ms": "2500"})
     assert grpc_status(ShuttingDown("bye")) == ("UNAVAILABLE", {"retry-after": "1", "grpc-retry-pushback-ms": "1000"})
+    # A change refused because a pipeline depends on it: not retryable until that is changed.
+    assert grpc_status(Conflict("model 'm' is used by pipeline(s) p")) == ("FAILED_PRECONDITION", {})
 
 
 def test_a_failed_item_is_named_and_keeps_its_code() -> None:

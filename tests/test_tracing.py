@@ -23,7 +23,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from router.errors import ConfigError, DeadlineExceeded, ModelError, QueueFull
 from router.logs import JsonFormatter, trace_id_var
-from router.tracing import tracing_from_environment
+from router.tracing import SpanRef, tracing_from_environment
 from router.tracing.otel import BatchSampler, OtelRequestSpan, OtelTracing
 from tests.conftest import REPO
 from tests.test_runtime import ask, busy, make_runtime, one_at_a_time, running, until
@@ -249,6 +249,55 @@ def test_a_batch_that_served_a_sampled_request_is_sampled_whatever_the_sampler()
     assert [(link.context.trace_id, link.context.span_id) for link in span.links] == [
         (sampled.ref.trace_id, sampled.ref.span_id)]
     assert span.links[0].attributes == {"router.request_id": "r1"}
+
+
+def test_a_grpc_call_span_reads_its_parent_from_metadata_and_its_status_is_the_grpc_code() -> None:
+    tracing, exporter = in_memory()
+    ok = tracing.start_call("inference.GRPCInferenceService/ModelInfer",
+                            [("traceparent", f"00-{TRACE}-{PARENT}-01"), ("x-request-id", "a")], time.monotonic())
+    ok.end(200, time.monotonic())
+    missing = tracing.start_call("inference.GRPCInferenceService/ModelInfer", [], time.monotonic())
+    missing.fail(ModelError("no model named 'x'"))
+    missing.end(404, time.monotonic())  # the client's: NOT_FOUND is no server error
+    full = tracing.start_call("inference.GRPCInferenceService/ModelInfer", [], time.monotonic())
+    full.fail(QueueFull("queue of model 'm' is full"))
+    full.end(503, time.monotonic())
+    first, second, third = sorted(exporter.get_finished_spans(), key=lambda s: s.start_time or 0)
+    assert first.kind is SpanKind.SERVER and first.name == "inference.GRPCInferenceService/ModelInfer"
+    assert first.parent is not None and (f"{first.parent.trace_id:032x}", f"{first.parent.span_id:016x}") == (TRACE, PARENT)
+    assert first.attributes == {"rpc.system": "grpc", "rpc.service": "inference.GRPCInferenceService",
+                                "rpc.method": "ModelInfer", "rpc.grpc.status_code": 0}
+    assert dict(ok.response_headers())[b"traceparent"].startswith(f"00-{TRACE}-".encode())
+    assert second.attributes is not None and second.attributes["rpc.grpc.status_code"] == 5
+    assert second.status.status_code is StatusCode.UNSET
+    assert third.attributes is not None and third.attributes["rpc.grpc.status_code"] == 14
+    assert third.status.status_code is StatusCode.ERROR and third.status.description == "queue of model 'm' is full"
+
+
+def test_a_stage_is_a_span_beside_its_path_with_paths_of_its_own_and_ends_with_the_request() -> None:
+    tracing, exporter = in_memory()
+    t0 = time.monotonic()
+    span = tracing.start_request("POST", "/models/p/predict", [], t0)
+    path = span.phases(item=2)
+    assert path is not None
+    stage = path.stage("step 0:m", t0 + 0.1, **{"router.step": "0:m"})
+    stage.stage("step 0:m/0:n", t0 + 0.2)  # never ended by its owner
+    item = stage.phases(0)
+    item.enter("queue wait", t0 + 0.1)
+    item.leave(t0 + 0.3)
+    stage.end(t0 + 0.4)
+    stage.end(t0 + 0.9)  # once only
+    span.fail(ModelError("model 'n' failed"))
+    span.end(500, t0 + 0.5)  # the inner stage, never ended, ends with the request and its error
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["step 0:m"].parent.span_id == spans["POST"].context.span_id  # type: ignore[union-attr]
+    assert spans["step 0:m"].attributes == {"router.step": "0:m", "router.item": 2}
+    assert spans["step 0:m"].end_time == tracing.ns(t0 + 0.4)
+    assert spans["queue wait"].parent.span_id == spans["step 0:m"].context.span_id  # type: ignore[union-attr]
+    assert item.ref == SpanRef(spans["step 0:m"].context.trace_id, spans["step 0:m"].context.span_id)  # type: ignore[union-attr]
+    assert spans["step 0:m/0:n"].parent.span_id == spans["step 0:m"].context.span_id  # type: ignore[union-attr]
+    assert spans["step 0:m/0:n"].end_time == tracing.ns(t0 + 0.5)
+    assert spans["step 0:m/0:n"].status.status_code is StatusCode.ERROR
 
 
 # -- the runtime recording a request's path -----------------------------------------------------

@@ -4,7 +4,10 @@ time it arrived and its deadline, errors mapped to gRPC status codes from the on
 
 Metadata the router reads: `authorization` (`Bearer <key>`, as the HTTP header), `x-request-id`,
 `x-priority` (the router's priority level, as the native X-Priority header; the request's
-`priority` parameter, Triton's, wins). The request id comes back in trailing metadata.
+`priority` parameter, Triton's, wins), `traceparent` and `tracestate` (W3C trace context). The
+request id comes back in trailing metadata. With tracing on, each call but the polled ones is a
+server span (`Tracing.start_call`), the child of the caller's `traceparent`, which comes back
+naming it in the initial and trailing metadata, and its trace id is on the call's log lines.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -22,14 +26,19 @@ from grpc import aio
 
 from router.access import Access, AccessPolicy
 from router.errors import InputError, RouterError, brief, grpc_status
+from router.grpc.protos import grpc_service_pb2 as pb
 from router.inference_protocol.submission import ItemFailed
-from router.logs import incoming_or_new, request_id_var
+from router.logs import incoming_or_new, request_id_var, trace_id_var
+from router.tracing.api import RequestSpan, Tracing, access_attributes
 
-__all__ = ["Call", "Refusal", "call_of", "check_access", "parse", "peer_host", "refusal_of", "run_call"]
+__all__ = ["SERVICE", "SERVICE_NAME", "Call", "Refusal", "call_of", "check_access", "end_span", "parse", "peer_host",
+           "refusal_of", "run_call", "serving", "start_span", "trace_metadata"]
 
 log = logging.getLogger("router.access")
 errors_log = logging.getLogger("router.grpc")
-#: Polled calls: not worth an access line each, as the HTTP health routes.
+SERVICE: Final = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+SERVICE_NAME: Final = SERVICE.full_name
+#: Polled calls: not worth an access line or a span each, as the HTTP health routes.
 QUIET: Final = frozenset({"ServerLive", "ServerReady", "Check", "Watch"})
 _PEER: Final = re.compile(r"^ipv4:(?P<v4>[^:]+):\d+$|^ipv6:\[(?P<v6>[^\]]+)\]:\d+$")
 _INTEGER: Final = re.compile(r"^[+-]?\d{1,6}$")
@@ -46,6 +55,7 @@ class Call:
     peer: str | None  # the client's address; None for a Unix socket
     metadata: Mapping[str, str]
     access: dict[str, Any] = field(default_factory=dict)  # what the handler adds to the access line
+    trace: RequestSpan | None = None  # its server span, while tracing is on
 
     @property
     def priority(self) -> int | None:
@@ -77,6 +87,47 @@ def call_of(context: aio.ServicerContext[Any, Any], method: str) -> Call:
     remaining = context.time_remaining()
     return Call(method, incoming_or_new(metadata.get("x-request-id")), time.monotonic(),
                 None if remaining is None else max(0.0, remaining * 1000.0), peer_host(context.peer()), metadata)
+
+
+def start_span(tracing: Tracing | None, call: Call) -> RequestSpan | None:
+    """The call's server span from its arrival (the child of its metadata's `traceparent`); none
+    while tracing is off, and none for the polled calls."""
+    if tracing is None or call.method in QUIET:
+        return None
+    return tracing.start_call(f"{SERVICE_NAME}/{call.method}", tuple(call.metadata.items()), call.received_at)
+
+
+def trace_metadata(call: Call) -> tuple[tuple[str, str], ...]:
+    """`traceparent` (and `tracestate`) naming the call's span, for its metadata; none without one."""
+    if call.trace is None:
+        return ()
+    return tuple((name.decode("latin-1"), value.decode("latin-1")) for name, value in call.trace.response_headers())
+
+
+def end_span(call: Call, status: int, error: BaseException | None = None) -> None:
+    """End the call's span now, with its access line's fields as attributes and the error it answered with."""
+    span = call.trace
+    if span is None:
+        return
+    if error is not None:
+        span.fail(error)
+    if span.recording:
+        span.describe(**access_attributes(call.access, call.request_id))
+    span.end(status, time.monotonic())
+
+
+@contextmanager
+def serving(call: Call) -> Iterator[None]:
+    """While the call is served: its request id, and its trace id, on every log line."""
+    token = request_id_var.set(call.request_id)
+    trace_id = call.trace.trace_id if call.trace is not None else None
+    trace_token = trace_id_var.set(trace_id) if trace_id else None
+    try:
+        yield
+    finally:
+        if trace_token is not None:
+            trace_id_var.reset(trace_token)
+        request_id_var.reset(token)
 
 
 @dataclass(frozen=True)
@@ -122,30 +173,34 @@ def parse(message_type: Any, raw: bytes) -> Any:
 
 
 async def run_call(handler: Handler, message_type: Any, raw: bytes, context: aio.ServicerContext[Any, Any], *,
-                   method: str, access: Access, policy: AccessPolicy) -> Any:
+                   method: str, access: Access, policy: AccessPolicy, tracing: Tracing | None = None) -> Any:
     """Run one unary RPC: check access, parse the message, run the handler, answer an error with its status."""
     call = call_of(context, method)
-    token = request_id_var.set(call.request_id)
+    call.trace = start_span(tracing, call)
     started = time.perf_counter()
-    status, code = 200, "OK"
-    try:
-        policy.check(access, call.metadata.get("authorization"))
-        response = await handler(parse(message_type, raw), call)
-        context.set_trailing_metadata((("x-request-id", call.request_id),))
-        return response
-    except Exception as exc:  # noqa: BLE001  # the call's fault boundary: every error is answered with a status
-        refusal = refusal_of(exc)
-        if refusal is None:
-            errors_log.error("unhandled error in %s", method, exc_info=exc)
-            refusal = Refusal(grpc.StatusCode.INTERNAL, "internal server error", (), 500)
-        status, code = refusal.status, refusal.code.name
-        await context.abort(refusal.code, refusal.details, (*refusal.trailing, ("x-request-id", call.request_id)))
-    except BaseException:  # cancelled: the client went away or its deadline passed
-        status, code = 499, "CANCELLED"
-        raise
-    finally:
-        access_line(call, status, code, time.perf_counter() - started)
-        request_id_var.reset(token)
+    status, code, error = 200, "OK", None
+    with serving(call):
+        try:
+            policy.check(access, call.metadata.get("authorization"))
+            response = await handler(parse(message_type, raw), call)
+            if traced := trace_metadata(call):
+                await context.send_initial_metadata(traced)
+            context.set_trailing_metadata((("x-request-id", call.request_id), *traced))
+            return response
+        except Exception as exc:  # noqa: BLE001  # the call's fault boundary: every error is answered with a status
+            refusal, error = refusal_of(exc), exc
+            if refusal is None:
+                errors_log.error("unhandled error in %s", method, exc_info=exc)
+                refusal = Refusal(grpc.StatusCode.INTERNAL, "internal server error", (), 500)
+            status, code = refusal.status, refusal.code.name
+            await context.abort(refusal.code, refusal.details,
+                                (*refusal.trailing, ("x-request-id", call.request_id), *trace_metadata(call)))
+        except BaseException as exc:  # cancelled: the client went away or its deadline passed
+            status, code, error = 499, "CANCELLED", exc
+            raise
+        finally:
+            access_line(call, status, code, time.perf_counter() - started)
+            end_span(call, status, error)
 
 
 def access_line(call: Call, status: int, code: str, seconds: float) -> None:

@@ -2,7 +2,8 @@
 model serves, NOT_SERVING before that and while draining (what /health/ready says over HTTP).
 
 Services: "" (the server) and `inference.GRPCInferenceService` report the server's readiness; a
-model's name reports whether that model serves; anything else is unknown (NOT_FOUND for Check,
+model's name reports whether that model serves, a pipeline's whether every model it uses does (a
+pipeline is a model to V2 clients); anything else is unknown (NOT_FOUND for Check,
 SERVICE_UNKNOWN for Watch, as the health protocol asks).
 """
 
@@ -17,7 +18,9 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.access import Access, AccessPolicy
+from router.errors import ModelNotFound
 from router.grpc.calls import call_of, check_access
+from router.inference_protocol.targets import Pipelines, find_target
 from router.serving.facade import ServingFacade
 
 __all__ = ["ReadinessHealth", "health_status"]
@@ -26,27 +29,29 @@ __all__ = ["ReadinessHealth", "health_status"]
 WATCH_INTERVAL_S: Final = 0.5
 
 
-def health_status(runtime: ServingFacade, service: str, server_services: frozenset[str]) -> Any:
-    """The health of `service`: the server's readiness, a model's, or SERVICE_UNKNOWN."""
+def health_status(runtime: ServingFacade, pipelines: Pipelines, service: str, server_services: frozenset[str]) -> Any:
+    """The health of `service`: the server's readiness, a model's or a pipeline's, or SERVICE_UNKNOWN."""
     if service in server_services:
         return health_pb2.HealthCheckResponse.SERVING if runtime.ready else health_pb2.HealthCheckResponse.NOT_SERVING
-    if service in runtime.model_names():
-        serving = runtime.model(service).serving and not runtime.draining
-        return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    return health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+    try:
+        serving = find_target(runtime, pipelines, service).serving and not runtime.draining
+    except ModelNotFound:
+        return health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class ReadinessHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
     """Check and Watch on the serving façade's readiness, behind the access policy's health level."""
 
-    def __init__(self, runtime: ServingFacade, policy: AccessPolicy, service_name: str) -> None:
+    def __init__(self, runtime: ServingFacade, pipelines: Pipelines, policy: AccessPolicy, service_name: str) -> None:
         self.runtime = runtime
+        self.pipelines = pipelines
         self.policy = policy
         self.server_services = frozenset({"", service_name})
 
     async def Check(self, request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
         await check_access(self.policy, Access.HEALTH, call_of(context, "Check"), context)
-        status = health_status(self.runtime, request.service, self.server_services)
+        status = health_status(self.runtime, self.pipelines, request.service, self.server_services)
         if status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown service {request.service[:64]!r}")
         return health_pb2.HealthCheckResponse(status=status)
@@ -56,7 +61,7 @@ class ReadinessHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
         await check_access(self.policy, Access.HEALTH, call_of(context, "Watch"), context)
         last = None
         while True:
-            status = health_status(self.runtime, request.service, self.server_services)
+            status = health_status(self.runtime, self.pipelines, request.service, self.server_services)
             if status != last:
                 yield health_pb2.HealthCheckResponse(status=status)
                 last = status

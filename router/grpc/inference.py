@@ -9,6 +9,12 @@ time) and are answered in that order, each as soon as it and the frames before i
 the stream, and HTTP/2 flow control holds the client's writes. A frame the model cannot take (its
 queue full, its deadline out of reach, the server draining) gets an error response in the stream,
 as Triton's stream answers, with the retry hint in the message, and the stream stays open.
+
+A pipeline's name is a model here as over HTTP (`router.inference_protocol.targets`): its items go
+to the pipeline's runner. Traced, a request (each frame of a stream) has the phases of V2 over
+HTTP: receive, decode, then the runtime's (or "items", each item's side by side; or the
+pipeline's), respond. A frame's answer names its span in its `traceparent` parameter: a stream
+has one metadata for all its frames.
 """
 
 from __future__ import annotations
@@ -22,15 +28,15 @@ from typing import Any
 
 from grpc import aio
 
-from router.grpc.calls import Call, access_line, parse, refusal_of
+from router.grpc.calls import Call, access_line, end_span, parse, refusal_of, serving, start_span, trace_metadata
 from router.grpc.codec import decode_request, encode_response
 from router.grpc.protos import grpc_service_pb2 as pb
-from router.inference_protocol import repository
 from router.inference_protocol.request import router_priority
 from router.inference_protocol.shared_memory import SharedMemoryRegistry
-from router.inference_protocol.submission import run_request
-from router.logs import request_id_var
+from router.inference_protocol.submission import item_traces, run_request
+from router.inference_protocol.targets import Pipelines, find_target
 from router.serving.facade import ServingFacade
+from router.tracing.api import Tracing
 
 __all__ = ["Inference", "answer_in_order"]
 
@@ -40,9 +46,11 @@ log = logging.getLogger("router.grpc")
 class Inference:
     """The inference calls of one gRPC server, on the serving façade."""
 
-    def __init__(self, runtime: ServingFacade, shared_memory: SharedMemoryRegistry, *, max_message_bytes: int,
-                 max_items: int, frames_in_flight: int) -> None:
+    def __init__(self, runtime: ServingFacade, pipelines: Pipelines, shared_memory: SharedMemoryRegistry, *,
+                 max_message_bytes: int, max_items: int, frames_in_flight: int, tracing: Tracing | None = None) -> None:
         self.runtime = runtime
+        self.pipelines = pipelines
+        self.tracing = tracing
         self.shared_memory = shared_memory
         self.max_message_bytes = max_message_bytes
         self.max_items = max_items
@@ -66,17 +74,25 @@ class Inference:
 
     async def _infer(self, message: Any, call: Call, placed: Callable[[], None]) -> Any:
         name = message.model_name
-        model = self.runtime.model(name)
-        repository.check_version(name, message.model_version)
-        self.runtime.precheck(name, received_at=call.received_at)  # draining, not serving, full: before decoding
+        trace = call.trace.phases() if call.trace is not None else None
+        if trace is not None:
+            trace.enter("receive", call.received_at)
+        target = find_target(self.runtime, self.pipelines, name, message.model_version)
+        target.entry.precheck(name, received_at=call.received_at)  # draining, not serving, full: before decoding
         regions = self.shared_memory.for_client(call.peer, self.max_message_bytes)
+        model = target.model
         max_items = min(self.max_items, model.queue_capacity)
+        if trace is not None:
+            trace.enter("decode", time.monotonic())
         decoded = await asyncio.to_thread(decode_request, message, max_items=max_items, regions=regions)
         priority = router_priority(decoded.priority, model.priority_levels) if decoded.priority else call.priority
         call.access.update(model=name, input_bytes=message.ByteSize() + regions.bytes_read, items=decoded.items)
-        ran = await run_request(self.runtime, model, decoded, priority=priority,
+        traces = None if trace is None or call.trace is None else item_traces(call.trace, trace, decoded.items)
+        ran = await run_request(target.entry, model, decoded, priority=priority,
                                 timeout_ms=call.timeout_ms(decoded.timeout_ms), received_at=call.received_at,
-                                placed=placed)
+                                placed=placed, traces=traces)
+        if trace is not None:
+            trace.enter("respond")  # from the answers
         return encode_response(name, decoded, ran.outputs, [answer.output for answer in ran.answers], regions)
 
     async def stream(self, frames: AsyncIterator[Any], context: aio.ServicerContext[Any, Any],
@@ -89,6 +105,7 @@ class Inference:
             frame_call = dataclasses.replace(
                 call, request_id=f"{call.request_id}.{seq}", received_at=time.monotonic(), access={},
                 deadline_ms=None if remaining is None else max(0.0, remaining * 1000.0))
+            frame_call.trace = start_span(self.tracing, frame_call)
             return await self._frame(frame, frame_call, in_order)
 
         async for response in answer_in_order(frames, answer, self.frames_in_flight):
@@ -96,31 +113,39 @@ class Inference:
 
     async def _frame(self, raw: bytes, call: Call, in_order: asyncio.Lock) -> Any:
         """One frame's ModelStreamInferResponse: its answer, or its error with the stream kept open."""
-        token = request_id_var.set(call.request_id)
         started = time.perf_counter()
-        status, code = 200, "OK"
+        status, code, error = 200, "OK", None
         frame = pb.ModelInferRequest()
-        try:
-            frame = parse(pb.ModelInferRequest, raw)
-            return pb.ModelStreamInferResponse(infer_response=await self.infer(frame, call, in_order))
-        except Exception as exc:  # the frame's fault boundary: its error answers it, the stream goes on
-            refusal = refusal_of(exc)
-            if refusal is None:
-                log.error("unhandled error in a stream frame", exc_info=exc)
-                status, code, message = 500, "INTERNAL", "internal server error"
-            else:
-                status, code, message = refusal.status, refusal.code.name, refusal.details
-                retry = dict(refusal.trailing).get("retry-after")
-                if retry is not None:
-                    message += f" (retry after {retry} s)"
-            return pb.ModelStreamInferResponse(
-                error_message=message, infer_response=pb.ModelInferResponse(model_name=frame.model_name, id=frame.id))
-        except BaseException:
-            status, code = 499, "CANCELLED"
-            raise
-        finally:
-            access_line(call, status, code, time.perf_counter() - started)
-            request_id_var.reset(token)
+        with serving(call):
+            try:
+                frame = parse(pb.ModelInferRequest, raw)
+                return _traced(pb.ModelStreamInferResponse(infer_response=await self.infer(frame, call, in_order)), call)
+            except Exception as exc:  # the frame's fault boundary: its error answers it, the stream goes on
+                refusal, error = refusal_of(exc), exc
+                if refusal is None:
+                    log.error("unhandled error in a stream frame", exc_info=exc)
+                    status, code, message = 500, "INTERNAL", "internal server error"
+                else:
+                    status, code, message = refusal.status, refusal.code.name, refusal.details
+                    retry = dict(refusal.trailing).get("retry-after")
+                    if retry is not None:
+                        message += f" (retry after {retry} s)"
+                return _traced(pb.ModelStreamInferResponse(
+                    error_message=message, infer_response=pb.ModelInferResponse(model_name=frame.model_name, id=frame.id)),
+                    call)
+            except BaseException as exc:
+                status, code, error = 499, "CANCELLED", exc
+                raise
+            finally:
+                access_line(call, status, code, time.perf_counter() - started)
+                end_span(call, status, error)
+
+
+def _traced(response: Any, call: Call) -> Any:
+    """A frame's response with its span's `traceparent` (and `tracestate`) as parameters of its answer."""
+    for name, value in trace_metadata(call):
+        response.infer_response.parameters[name].string_param = value
+    return response
 
 
 async def answer_in_order(frames: AsyncIterator[Any], answer: Callable[[Any, int], Awaitable[Any]],

@@ -23,7 +23,9 @@ from router.grpc.health import ReadinessHealth
 from router.grpc.inference import Inference
 from router.grpc.service import SERVICE_NAME, InferenceService
 from router.inference_protocol.shared_memory import SharedMemoryRegistry
+from router.inference_protocol.targets import Pipelines
 from router.serving.facade import ServingFacade
+from router.tracing.api import Tracing
 
 __all__ = ["GrpcServer", "grpc_server"]
 
@@ -67,11 +69,13 @@ class GrpcServer:
 
 
 def grpc_server(runtime: ServingFacade, settings: ServerSettings, policy: AccessPolicy,
-                shared_memory: SharedMemoryRegistry) -> GrpcServer:
-    """The gRPC endpoint the settings ask for (`grpc_port`; the caller skips it for 0)."""
-    inference = Inference(runtime, shared_memory, max_message_bytes=settings.max_body_bytes, max_items=settings.max_items,
-                          frames_in_flight=settings.grpc_stream_frames)
-    service = InferenceService(runtime, inference, shared_memory, policy)
-    return GrpcServer(service, ReadinessHealth(runtime, policy, SERVICE_NAME), host=settings.host,
+                shared_memory: SharedMemoryRegistry, pipelines: Pipelines, tracing: Tracing | None = None) -> GrpcServer:
+    """The gRPC endpoint the settings ask for (`grpc_port`; the caller skips it for 0). `pipelines`:
+    the runner the HTTP app serves pipelines with (one per process: its counters are the pipelines');
+    `tracing`: spans for calls, as the app's for requests."""
+    inference = Inference(runtime, pipelines, shared_memory, max_message_bytes=settings.max_body_bytes,
+                          max_items=settings.max_items, frames_in_flight=settings.grpc_stream_frames, tracing=tracing)
+    service = InferenceService(runtime, pipelines, inference, shared_memory, policy, tracing)
+    return GrpcServer(service, ReadinessHealth(runtime, pipelines, policy, SERVICE_NAME), host=settings.host,
                       port=settings.grpc_port, max_message_bytes=settings.max_body_bytes,
                       max_concurrent_rpcs=settings.max_connections)

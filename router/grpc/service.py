@@ -17,17 +17,16 @@ from grpc import aio
 
 from router.access import Access, AccessPolicy
 from router.errors import InputError, Unimplemented, brief
-from router.grpc.calls import Call, call_of, check_access, run_call
+from router.grpc.calls import SERVICE, SERVICE_NAME, Call, call_of, check_access, run_call
 from router.grpc.inference import Inference
 from router.grpc.protos import grpc_service_pb2 as pb
 from router.inference_protocol import repository
 from router.inference_protocol.shared_memory import SharedMemoryRegistry, refuse_cuda
+from router.inference_protocol.targets import Pipelines, find_target, is_ready, repository_index
 from router.serving.facade import ServingFacade
+from router.tracing.api import Tracing
 
 __all__ = ["SERVICE_NAME", "InferenceService"]
-
-SERVICE: Final = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
-SERVICE_NAME: Final = SERVICE.full_name
 #: What each call needs of the client's key; the rest need an inference key, as V2 over HTTP.
 ACCESS: Final[Mapping[str, Access]] = {
     "ServerLive": Access.HEALTH, "ServerReady": Access.HEALTH,
@@ -42,12 +41,14 @@ def _message(document: Mapping[str, Any], message: Any) -> Any:
 class InferenceService:
     """The handlers of the Open Inference Protocol's gRPC service."""
 
-    def __init__(self, runtime: ServingFacade, inference: Inference, shared_memory: SharedMemoryRegistry,
-                 policy: AccessPolicy) -> None:
+    def __init__(self, runtime: ServingFacade, pipelines: Pipelines, inference: Inference,
+                 shared_memory: SharedMemoryRegistry, policy: AccessPolicy, tracing: Tracing | None = None) -> None:
         self.runtime = runtime
+        self.pipelines = pipelines  # served as models, as V2 over HTTP serves them (Triton's ensembles)
         self.inference = inference
         self.shared_memory = shared_memory
         self.policy = policy
+        self.tracing = tracing
 
     # -- health and metadata -------------------------------------------------------------------------
 
@@ -59,17 +60,14 @@ class InferenceService:
 
     async def ModelReady(self, message: Any, call: Call) -> Any:
         """Ready or not; an unknown model or version is not ready (as tritonclient.http reads a 404)."""
-        if message.name not in self.runtime.model_names() or message.version not in ("", repository.MODEL_VERSION):
-            return pb.ModelReadyResponse(ready=False)
-        return pb.ModelReadyResponse(ready=self.runtime.model(message.name).serving)
+        return pb.ModelReadyResponse(ready=is_ready(self.runtime, self.pipelines, message.name, message.version))
 
     async def ServerMetadata(self, message: Any, call: Call) -> Any:
         return _message(repository.server_metadata(), pb.ServerMetadataResponse())
 
     async def ModelMetadata(self, message: Any, call: Call) -> Any:
-        model = self.runtime.model(message.name)
-        repository.check_version(message.name, message.version)
-        return _message(repository.model_metadata(model), pb.ModelMetadataResponse())
+        target = find_target(self.runtime, self.pipelines, message.name, message.version)
+        return _message(target.metadata(), pb.ModelMetadataResponse())
 
     async def ModelConfig(self, message: Any, call: Call) -> Any:
         model = self.runtime.model(message.name)
@@ -91,7 +89,7 @@ class InferenceService:
     # -- the repository ------------------------------------------------------------------------------
 
     async def RepositoryIndex(self, message: Any, call: Call) -> Any:
-        entries = repository.index_entries(self.runtime.models(), ready_only=message.ready)
+        entries = repository_index(self.runtime, self.pipelines, ready_only=message.ready)
         return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(
             name=e.name, version=e.version, state=e.state, reason=e.reason) for e in entries])
 
@@ -171,7 +169,8 @@ class InferenceService:
         access = ACCESS.get(name, Access.PREDICT)
 
         async def unary(raw: bytes, context: aio.ServicerContext[Any, Any]) -> Any:
-            return await run_call(handler, request_type, raw, context, method=name, access=access, policy=self.policy)
+            return await run_call(handler, request_type, raw, context, method=name, access=access, policy=self.policy,
+                                  tracing=self.tracing)
 
         return unary
 

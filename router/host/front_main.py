@@ -25,6 +25,7 @@ from router.http.auth import policy_from_settings
 from router.http.server import run_server
 from router.inference_protocol.shared_memory import SharedMemoryRegistry
 from router.logs import configure_logging
+from router.pipelines import PipelineRunner
 from router.serving.threads import available_cores
 from router.tracing import tracing_from_environment
 
@@ -71,15 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     client = EngineClient(args.socket, args.index, cpu_workers=front_cpu_workers(settings, args.workers))
     # V2 system shared memory: one table of registrations for every front (the run directory's)
     shared_memory = SharedMemoryRegistry(settings.shared_memory, table=args.socket.parent / "regions")
+    pipelines = PipelineRunner(client)  # one runner for this front's HTTP app and its gRPC listener
     listeners: list[Listener] = []
     if settings.grpc_port:  # every front serves gRPC too, on the same port (grpc.so_reuseport)
-        listeners.append(grpc_server(client, settings, policy, shared_memory))
+        listeners.append(grpc_server(client, settings, policy, shared_memory, pipelines, tracing))
     app = create_app(client, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
                      access_policy=policy, body_timeout_s=settings.body_timeout_s, max_items=settings.max_items,
                      trim_memory=settings.trim_memory, shared_memory=shared_memory, listeners=listeners,
-                     tracing=tracing)
+                     tracing=tracing, pipelines=pipelines)
     client.request_counts = app.state.metrics.request_counts  # /models shows every front's counts
-    app.state.pipelines.counts = app.state.metrics.pipeline_counts
+    pipelines.counts = app.state.metrics.pipeline_counts  # and every front's pipeline counts
     sock = listening_socket(settings.host, settings.port)
     run_server(app, client, settings, sockets=[sock],
                max_connections=max(1, math.ceil(settings.max_connections / args.workers)))

@@ -18,7 +18,7 @@ from litestar.params import FromPath
 from litestar.types import ASGIApp, HTTPScope, Message, Receive, ReceiveMessage, Scope, Send
 
 from router import __version__
-from router.errors import ClientDisconnected, InputError, RequestTimeout, RouterError, brief, clip
+from router.errors import ClientDisconnected, InputError, ModelNotFound, RequestTimeout, RouterError, brief, clip
 from router.http.access import QUIET_PATHS, access_line
 from router.http.admin import ADMIN_ROUTES
 from router.http.answers import error_body
@@ -39,7 +39,7 @@ from router.logs import request_id_var, trace_id_var
 from router.pipelines import PipelineRunner
 from router.sdk.plugin import Payload
 from router.serving.facade import ServingFacade
-from router.tracing.api import RequestSpan, Tracing
+from router.tracing.api import RequestSpan, Tracing, access_attributes
 
 __all__ = ["Listener", "create_app"]
 
@@ -114,10 +114,13 @@ async def predict(name: FromPath[str], request: Request[Any, Any, Any]) -> Respo
     if pipelines.serves(name):
         precheck_pipeline(name, request, pipelines, priority, timeout_ms,
                           announced_length(request.headers.get("content-length")))
-        return await predict_pipeline(name, request, await _payload(request), pipelines, priority, timeout_ms)
+        return await predict_pipeline(name, request, await _payload(request), pipelines, priority, timeout_ms, trace)
     if not request.scope["state"].get(PRECHECKED):
-        runtime.precheck(name, priority=priority, timeout_ms=timeout_ms, received_at=received_at(request),
-                         body_bytes=announced_length(request.headers.get("content-length")))
+        try:
+            runtime.precheck(name, priority=priority, timeout_ms=timeout_ms, received_at=received_at(request),
+                             body_bytes=announced_length(request.headers.get("content-length")))
+        except ModelNotFound as exc:  # the name could be a pipeline's: the 404 lists them too
+            raise pipelines.not_found(name, exc) from None
     payload = await _payload(request)
     request.scope["state"]["access"] = {"model": name, "input_bytes": len(payload.body)}
     answer = await run_unless_disconnected(
@@ -157,7 +160,7 @@ async def show_model(name: FromPath[str], request: Request[Any, Any, Any]) -> di
     pipelines = pipelines_of(request)
     if pipelines.serves(name):
         return pipelines.info(name).as_dict()
-    return runtime_of(request).model(name).as_dict()
+    return pipelines.known_model(name).as_dict()
 
 
 @get("/health/live", summary="The process is up", opt={"access": Access.HEALTH})
@@ -266,9 +269,7 @@ def _start_trace(tracing: Tracing, scope: HTTPScope) -> RequestSpan | None:
 def _end_trace(scope: Scope, trace: RequestSpan, status: int, request_id: str) -> None:
     """End the server span now, with what the handler recorded for the access line as attributes."""
     if trace.recording:
-        fields = scope["state"].get("access") or {}
-        trace.describe(**{f"router.{key}": value for key, value in fields.items()
-                          if isinstance(value, (str, bool, int, float))}, **{"router.request_id": request_id})
+        trace.describe(**access_attributes(scope["state"].get("access"), request_id))
     trace.end(status or 499, time.monotonic(), scope.get("path_template"))
 
 
@@ -331,13 +332,16 @@ def create_app(
     shared_memory: SharedMemoryRegistry | None = None,
     listeners: Sequence[Listener] = (),
     tracing: Tracing | None = None,
+    pipelines: PipelineRunner | None = None,
 ) -> Litestar:
     """The Litestar app around a runtime (or any serving façade). The runtime starts in the lifespan
     and loads models in the background, then the `listeners` start; they stop after the drain. The
     app owns `shared_memory` (the V2 regions its clients register; by default a fresh registry) and
     closes it at shutdown. `bound_metrics`: a registry already bound to the runtime, with collectors
     of its own (the cluster's); by default a fresh one bound here. `tracing`: spans for requests
-    (the runtime makes the batches'), exported until the lifespan ends."""
+    (the runtime makes the batches'), exported until the lifespan ends. `pipelines`: the runner of
+    the runtime's pipelines, shared with the other listeners that serve them (gRPC); by default a
+    fresh one. Its figures go to the app's metrics either way."""
     memory = BodyMemory() if trim_memory else None
     policy = access_policy or AccessPolicy()
     regions = shared_memory if shared_memory is not None else SharedMemoryRegistry()
@@ -382,7 +386,7 @@ def create_app(
                                              tracing=tracing)
     app.state.runtime = runtime
     app.state.tracing = tracing
-    app.state.pipelines = PipelineRunner(runtime)
+    app.state.pipelines = pipelines if pipelines is not None else PipelineRunner(runtime)
     app.state.max_items = max_items
     app.state.shared_memory = regions
     router_metrics = bound_metrics

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from router.errors import RouterError
+from router.errors import ModelNotFound, RouterError
 from router.http.access import access_line
 from router.http.answers import error_body
 from router.http.auth import Access, AccessPolicy
@@ -81,6 +81,9 @@ class EarlyRefusals:
                 timeout_ms=number_header("X-Timeout-Ms", fields.get(b"x-timeout-ms")),
                 received_at=started, body_bytes=announced_length(fields.get(b"content-length")),
             )
+        except ModelNotFound as exc:  # the name could be a pipeline's: the 404 lists them too
+            error = pipelines.not_found(model, exc) if pipelines is not None else exc
+            return self._refusal(error, url.decode("ascii"), started, fields.get(b"x-request-id"), headers)
         except RouterError as exc:
             return self._refusal(exc, url.decode("ascii"), started, fields.get(b"x-request-id"), headers)
         return PASSED  # the predict handler skips its own precheck: one per request

@@ -22,19 +22,23 @@ from router.http.request_state import pipelines_of, received_at, runtime_of
 from router.logs import request_id_var
 from router.pipelines import PipelineRunner
 from router.sdk.plugin import Payload
+from router.tracing.api import Phases
 
 __all__ = ["PIPELINE_ROUTES", "predict_pipeline"]
 
 
 async def predict_pipeline(name: str, request: Request[Any, Any, Any], payload: Payload, runner: PipelineRunner,
-                           priority: int | None, timeout_ms: float | None) -> Response[dict[str, Any]]:
+                           priority: int | None, timeout_ms: float | None,
+                           trace: Phases | None = None) -> Response[dict[str, Any]]:
     """The predict route's answer for a pipeline: the first model's answer with each item's
-    downstream answers attached, and per-step timing."""
+    downstream answers attached, and per-step timing. `trace`: the request's path of phases."""
     state = request.scope["state"]
     state["access"] = {"model": name, "pipeline": name, "input_bytes": len(payload.body)}
     answer = await run_unless_disconnected(
         request.receive, runner.run(name, payload, priority=priority, timeout_ms=timeout_ms,
-                                    request_id=request_id_var.get(), received_at=received_at(request)))
+                                    request_id=request_id_var.get(), received_at=received_at(request), trace=trace))
+    if trace is not None:
+        trace.enter("respond")  # from the pipeline's answer
     state["access"].update(items=answer.items, steps={s.key: s.items for s in answer.steps},
                            pipeline_ms=round(answer.seconds * 1000, 3))
     return Response({"pipeline": name, "request_id": answer.request_id, "result": answer.output,

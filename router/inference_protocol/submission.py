@@ -5,6 +5,7 @@ front that speaks V2 (HTTP, gRPC, a gRPC stream's frames) runs its requests thro
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,9 +18,9 @@ from router.sdk.plugin import Payload
 from router.serving.facade import ServingFacade
 from router.serving.runtime import Answer
 from router.serving.snapshots import ModelInfo
-from router.tracing.api import Phases
+from router.tracing.api import Phases, RequestSpan
 
-__all__ = ["Entry", "ItemFailed", "Ran", "run_request", "submit_all"]
+__all__ = ["Entry", "ItemFailed", "Ran", "item_traces", "run_request", "submit_all"]
 
 
 class ItemFailed(Exception):
@@ -33,8 +34,8 @@ class ItemFailed(Exception):
 @dataclass(frozen=True)
 class Entry:
     """Where a V2 request's items go: a model through the serving façade, or a pipeline through its
-    runner. `precheck(name, ...)` refuses before any item is queued; `submit(name, payload, ...)`
-    answers one item with something that has `output`."""
+    runner. `precheck(name, ...)` refuses before any item is queued; `submit(name, payload, ...,
+    trace=...)` answers one item with something that has `output`."""
 
     name: str
     precheck: Callable[..., None]
@@ -72,6 +73,15 @@ async def run_request(entry: Entry | ServingFacade, model: ModelInfo, request: I
     return Ran(outputs, await _answers(tasks))
 
 
+def item_traces(span: RequestSpan, trace: Phases, items: int) -> list[Phases | None]:
+    """The phases of each item's path: the request's own path for one item; for many, each item has
+    its own under the request's span (they run side by side), while the request's is in "items"."""
+    if items == 1:
+        return [trace]
+    trace.enter("items", time.monotonic())
+    return [span.phases(item=index) for index in range(items)]
+
+
 async def submit_all(
     runtime: ServingFacade, model: str, payloads: Sequence[Payload], priority: int | None, timeout_ms: float | None,
     arrived: float | None,
@@ -89,9 +99,8 @@ def _start(entry: Entry, payloads: Sequence[Payload], priority: int | None, time
     tasks = []
     for index, (payload, rid) in enumerate(zip(payloads, ids, strict=True)):
         trace = traces[index] if traces else None
-        traced = {"trace": trace} if trace is not None else {}  # a pipeline's runner takes no trace
         tasks.append(asyncio.ensure_future(entry.submit(entry.name, payload, priority=priority, timeout_ms=timeout_ms,
-                                                        request_id=rid, received_at=arrived, **traced)))
+                                                        request_id=rid, received_at=arrived, trace=trace)))
     return tasks
 
 

@@ -2,6 +2,6 @@
 
 from router.pipelines.info import PipelineInfo
 from router.pipelines.runner import MAX_STEP_ITEMS, PipelineRunner
-from router.pipelines.trace import PipelineAnswer, PipelineTelemetry
+from router.pipelines.steps import PipelineAnswer, PipelineTelemetry
 
 __all__ = ["MAX_STEP_ITEMS", "PipelineAnswer", "PipelineInfo", "PipelineRunner", "PipelineTelemetry"]

@@ -9,6 +9,10 @@ room in a full queue while its deadline allows and is answered 504, not run, onc
 longer finish (`submit(wait_for_room=True, must_finish=True)`). The first failure answers the
 request, naming the step, and cancels every other item of it.
 
+Traced (a `trace` path given, as to `submit`), the pipeline is one phase of that path, "pipeline",
+and each step a stage beside it (`RequestSteps`): every item a model step submits carries its own
+phases under its step's stage, linked to the batch it rode.
+
 It uses only the façade's verbs (`precheck`, `submit`, `model`, `pipeline`), so it runs
 unchanged wherever the façade's implementation puts the queues.
 """
@@ -27,13 +31,15 @@ from typing import Any, TypeVar
 from router.errors import DeadlineExceeded, InputError, ModelError, ModelNotFound, RouterError, brief, outcome_of, with_detail
 from router.pipeline_config import StepConfig
 from router.pipelines.info import PipelineInfo, pipeline_info
-from router.pipelines.trace import PipelineAnswer, PipelineTelemetry, Trace
+from router.pipelines.steps import PipelineAnswer, PipelineTelemetry, RequestSteps
 from router.sdk.images import decode_image
 from router.sdk.plugin import Payload
 from router.sdk.transforms import StepItem, Transform, Transformed
 from router.serving.facade import ServingFacade
 from router.serving.plan import PipelinePlan
+from router.serving.snapshots import ModelInfo
 from router.serving.transforms import TransformRegistry
+from router.tracing.api import Phases, within_phase
 
 __all__ = ["MAX_STEP_ITEMS", "PipelineRunner"]
 
@@ -52,8 +58,9 @@ class _Request:
     priority: int | None
     started: float
     budget_ms: float
-    trace: Trace = field(default_factory=Trace)
+    steps: RequestSteps = field(default_factory=RequestSteps)
     items: int = 0
+    failures: dict[str, RouterError] = field(default_factory=dict)  # by step key: what each failed step answered
 
     @property
     def deadline(self) -> float:
@@ -64,7 +71,9 @@ class _Request:
         return f"{self.request_id}.{self.items}"
 
     def failed(self, key: str, error: RouterError) -> RouterError:
-        return with_detail(error, f"pipeline {self.pipeline!r}, step {key}: {error.detail}")
+        failure = with_detail(error, f"pipeline {self.pipeline!r}, step {key}: {error.detail}")
+        self.failures.setdefault(key, failure)
+        return failure
 
 
 class PipelineRunner:
@@ -97,6 +106,23 @@ class PipelineRunner:
             raise ModelNotFound(f"no pipeline named {brief(name, 80)}; pipelines: {known}")
         return plan
 
+    def known_model(self, name: str) -> ModelInfo:
+        """The model called `name`, for a route where the name could be a pipeline's too: its 404 lists both."""
+        try:
+            return self.facade.model(name)
+        except ModelNotFound as exc:
+            raise self.not_found(name, exc) from None
+
+    def not_found(self, name: str, error: ModelNotFound) -> ModelNotFound:
+        """The façade's 404 for a model `name` where the name could be a pipeline's too: with the
+        pipelines listed after the models (as it is where there are none)."""
+        pipelines = sorted(plan.name for plan in self.facade.pipelines())
+        if not pipelines:
+            return error
+        models = ", ".join(sorted(self.facade.model_names())) or "none"
+        return ModelNotFound(f"no model or pipeline named {brief(name, 80)}; models: {models}; "
+                             f"pipelines: {', '.join(pipelines)}")
+
     def infos(self) -> list[PipelineInfo]:
         counts = self.counts()
         return [pipeline_info(plan, self.facade, counts.get(plan.name, {})) for plan in self.facade.pipelines()]
@@ -120,23 +146,35 @@ class PipelineRunner:
             raise with_detail(exc, f"pipeline {name!r}: {exc.detail}") from None
 
     async def run(self, name: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
-                  request_id: str | None = None, received_at: float | None = None) -> PipelineAnswer:
-        """Run one input through a pipeline. Raises a RouterError whose detail names the step."""
+                  request_id: str | None = None, received_at: float | None = None,
+                  trace: Phases | None = None) -> PipelineAnswer:
+        """Run one input through a pipeline. Raises a RouterError whose detail names the step.
+        With `trace`, the run is its "pipeline" phase and each step a stage of it."""
         plan = self.plan(name)
         started = self.clock() if received_at is None else min(received_at, self.clock())
+        request: _Request | None = None
         try:
-            request = _Request(name, request_id or uuid.uuid4().hex, priority, started, _budget_ms(plan, timeout_ms))
+            request = _Request(name, request_id or uuid.uuid4().hex, priority, started, _budget_ms(plan, timeout_ms),
+                               RequestSteps(trace))
             for index, step in enumerate(plan.config.steps):  # the answer lists every step, run or not
-                request.trace.step(f"{index}:{step.name}", step.kind, step.name)
-            source = await self._entry_input(request, plan, payload)
-            output = await self._chain(request, name, plan.config.steps, 0, source, "", entry=True)
+                request.steps.step(f"{index}:{step.name}", step.kind, step.name)
+            work = self._run(request, plan, payload)
+            output = await (work if trace is None else within_phase(trace, "pipeline", self.clock, work))
         except BaseException as exc:
             self._count(name, outcome_of(exc), started)
             raise
+        finally:
+            if request is not None:
+                request.steps.end_stages(self.clock(), request.failures)
+        assert request is not None
         seconds = self.clock() - started
         self._count(name, "ok", started)
-        request.trace.report(self.telemetry, name)
-        return PipelineAnswer(request.request_id, name, output, seconds, list(request.trace.steps.values()))
+        request.steps.report(self.telemetry, name)
+        return PipelineAnswer(request.request_id, name, output, seconds, list(request.steps.steps.values()))
+
+    async def _run(self, request: _Request, plan: PipelinePlan, payload: Payload) -> Any:
+        source = await self._entry_input(request, plan, payload)
+        return await self._chain(request, plan.name, plan.config.steps, 0, source, "", entry=True)
 
     def _count(self, name: str, outcome: str, started: float) -> None:
         self.requests[name][outcome] += 1
@@ -162,7 +200,10 @@ class PipelineRunner:
             inner = self.facade.pipeline(head.name)
             if inner is None:
                 raise request.failed(key, ModelNotFound(f"no pipeline named {head.name!r} (removed meanwhile)"))
+            started = self.clock()
+            request.steps.reached(key, "pipeline", head.name, started)
             answer = await self._chain(request, head.name, inner.config.steps, 0, payload, f"{key}/", entry=entry)
+            request.steps.step(key, "pipeline", head.name).span(started, self.clock())
         if start == len(steps) - 1:
             return answer
         transformed = await self._transform(request, owner, steps, start + 1, payload, answer, prefix)
@@ -178,19 +219,20 @@ class PipelineRunner:
         """One input through one model: the entry as any request; later steps within what is left."""
         now = self.clock()
         left_ms = (request.deadline - now) * 1000
+        trace = request.steps.item_path(key, model, now)
         try:
             if entry:
                 answer = await self.facade.submit(model, payload, priority=request.priority, timeout_ms=request.budget_ms,
-                                                  request_id=request.request_id, received_at=request.started)
+                                                  request_id=request.request_id, received_at=request.started, trace=trace)
             elif left_ms <= 0:
                 raise DeadlineExceeded(f"the deadline passed before model {model!r}; the input was not run")
             else:
                 answer = await self.facade.submit(model, payload, priority=request.priority, timeout_ms=left_ms,
-                                                  request_id=request.item_id(), received_at=now,
+                                                  request_id=request.item_id(), received_at=now, trace=trace,
                                                   wait_for_room=True, must_finish=True)
         except RouterError as exc:
             raise request.failed(key, exc) from None
-        request.trace.model_step(key, model, now, self.clock(), answer.queue_wait_s, answer.execution_s,
+        request.steps.model_step(key, model, now, self.clock(), answer.queue_wait_s, answer.execution_s,
                                  answer.batch_size)
         return answer.output
 
@@ -199,13 +241,14 @@ class PipelineRunner:
         key = f"{prefix}{index}:{steps[index].name}"
         transform = self._transform_object(owner, index, steps[index])
         started = self.clock()
+        request.steps.reached(key, "transform", steps[index].name, started)
         try:
             transformed = await self._off_loop(request, key, transform.apply, payload, answer)
         except DeadlineExceeded as exc:
             raise request.failed(key, exc) from None
         except Exception as exc:  # noqa: BLE001  # a plugin's transform: its failure answers the request, 500
             raise request.failed(key, _transform_error(steps[index].name, exc)) from None
-        request.trace.step(key, "transform", steps[index].name).span(started, self.clock())
+        request.steps.step(key, "transform", steps[index].name).span(started, self.clock())
         return transformed
 
     def _transform_object(self, owner: str, index: int, step: StepConfig) -> Transform:  # type: ignore[type-arg]
@@ -225,7 +268,7 @@ class PipelineRunner:
     async def _fan_out(self, request: _Request, key: str, items: Iterable[StepItem],
                        attach: Callable[[StepItem], Awaitable[None]]) -> None:
         """Each item to the next step as soon as it is made; the first failure cancels the rest."""
-        stats = request.trace.step(key, "transform", key.rpartition(":")[2])
+        stats = request.steps.step(key, "transform", key.rpartition(":")[2])
         tasks: list[asyncio.Future[None]] = []
         try:
             for item in _made(items, key, request):

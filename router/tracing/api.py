@@ -1,8 +1,10 @@
 """What the request path calls to trace a request: plain values and a few small protocols.
 
 A request's trace is its server span (`RequestSpan`, started by the front that received the
-request) and the phases of its path (`Phases`): receive (routing, header checks, the body),
-admission, wait for load, preprocess, queue wait, execute, postprocess, respond. A phase is a span built when it ends, from timestamps
+request: an HTTP request, a gRPC call or a stream's frame) and the phases of its path (`Phases`):
+receive (routing, header checks, the body), admission, wait for load, preprocess, queue wait,
+execute, postprocess, respond. A path may have stages (`StageSpan`, a pipeline's steps), spans
+with paths of their own (each item the step ran). A phase is a span built when it ends, from timestamps
 the path records anyway (`time.monotonic`, one clock for every process on a Linux host, so a
 timestamp taken where the batch ran means the same in the front). What travels with a request to
 where batches run is a `SpanRef`, a value, never a live span: the batch span (`BatchSpan`) links
@@ -19,12 +21,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-__all__ = ["ENDPOINT_VARIABLES", "AttributeValue", "BatchSpan", "Phases", "RequestSpan", "SpanRef", "Tracing",
-           "within_phase"]
+__all__ = ["ENDPOINT_VARIABLES", "AttributeValue", "BatchSpan", "Phases", "RequestSpan", "SpanRef", "StageSpan",
+           "Tracing", "access_attributes", "within_phase"]
 
 T = TypeVar("T")
 AttributeValue = str | bool | int | float
 Headers = Sequence[tuple[bytes, bytes]]  # ASGI's: lower-case names, as uvicorn gives them
+Metadata = Sequence[tuple[str, str]]  # gRPC's: lower-case keys
 #: Variables whose presence turns export on (OpenTelemetry's own convention).
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
@@ -51,6 +54,29 @@ class Phases(Protocol):
 
     def leave(self, at: float, error: BaseException | None = None) -> None:
         """End the open phase at `at`, failed with `error` if given; none is open after."""
+
+    def stage(self, name: str, at: float, **attributes: AttributeValue) -> StageSpan:
+        """A span from `at` beside this path's phases, under the same span: one stage of this path
+        (a pipeline's step), with this path's item. Ended by its `end`, else with the request."""
+
+
+class StageSpan(Protocol):
+    """One stage of a request's path (a pipeline's step): a span with paths of phases of its own
+    (one per item it ran) and stages under it (the steps of a pipeline run as a step)."""
+
+    @property
+    def ref(self) -> SpanRef: ...  # what the batches of its items link to
+
+    def phases(self, item: int | None = None) -> Phases:
+        """A new path of phases under this span."""
+
+    def stage(self, name: str, at: float, **attributes: AttributeValue) -> StageSpan:
+        """A stage under this one, from `at`."""
+
+    def describe(self, **attributes: AttributeValue) -> None: ...
+
+    def end(self, at: float, error: BaseException | None = None) -> None:
+        """End the span at `at` (once: a second call does nothing), failed with `error` if given."""
 
 
 async def within_phase(trace: Phases, phase: str, clock: Callable[[], float], work: Awaitable[T]) -> T:
@@ -84,7 +110,8 @@ class RequestSpan(Protocol):
         """The error the request is answered with: the reason in the span's status."""
 
     def end(self, status: int, at: float, route: str | None = None) -> None:
-        """End the span at `at` with the HTTP `status` (5xx: error), named after `route` if known."""
+        """End the span at `at` with the HTTP `status` (5xx: error), named after `route` if known;
+        a gRPC call's with the router's status of its answer (its gRPC code: `router.errors.grpc_code`)."""
 
     def response_headers(self) -> list[tuple[bytes, bytes]]:
         """`traceparent` (and `tracestate`) of this span, for the answer; none when `trace_id` is None."""
@@ -105,6 +132,10 @@ class Tracing(Protocol):
     def start_request(self, method: str, path: str, headers: Headers, at: float) -> RequestSpan:
         """A server span from `at`, the child of the `traceparent` in `headers` if there is one."""
 
+    def start_call(self, method: str, metadata: Metadata, at: float) -> RequestSpan:
+        """A gRPC call's server span from `at` (`method`: `package.Service/Method`), the child of the
+        `traceparent` in `metadata` if there is one; `response_headers` are then its metadata."""
+
     def start_batch(self, requests: Sequence[tuple[SpanRef, str]], at: float,
                     attributes: Mapping[str, AttributeValue]) -> BatchSpan:
         """A batch span from `at`, linked to each (request span, request id) it serves."""
@@ -114,3 +145,11 @@ class Tracing(Protocol):
 
     def shutdown(self) -> None:
         """Export what is pending and stop (at the end of the app's lifespan)."""
+
+
+def access_attributes(fields: Mapping[str, object] | None, request_id: str) -> dict[str, AttributeValue]:
+    """What a front's access line records of a request (its plain values), as a server span's attributes."""
+    attributes: dict[str, AttributeValue] = {f"router.{key}": value for key, value in (fields or {}).items()
+                                             if isinstance(value, (str, bool, int, float))}
+    attributes["router.request_id"] = request_id
+    return attributes

@@ -14,6 +14,7 @@ import os
 import re
 import time
 from collections.abc import Mapping, Sequence
+from typing import Final
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
@@ -27,12 +28,20 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from opentelemetry.util.types import Attributes
 
 from router import __version__
-from router.tracing.api import ENDPOINT_VARIABLES, AttributeValue, Headers, SpanRef
+from router.errors import grpc_code
+from router.tracing.api import ENDPOINT_VARIABLES, AttributeValue, Headers, Metadata, SpanRef
 
 __all__ = ["BatchSampler", "OtelTracing"]
 
 #: Litestar's path template with its converters (`/models/{name:str}/predict`) as OpenTelemetry's route.
 _CONVERTER = re.compile(r"\{(\w+):\w+\}")
+#: gRPC's status codes by name, as numbers (`rpc.grpc.status_code`), and those that are a server's error.
+GRPC_CODE_NUMBERS: Final = {name: number for number, name in enumerate((
+    "OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND", "ALREADY_EXISTS",
+    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED",
+    "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"))}
+SERVER_ERROR_CODES: Final = frozenset({"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE",
+                                       "DATA_LOSS"})
 
 
 class _HeaderList(Getter[Headers]):
@@ -118,6 +127,13 @@ class OtelTracing:
                                       attributes={"http.request.method": method, "url.path": path})
         return OtelRequestSpan(self, span, method, trace.get_current_span(parent).get_span_context().is_valid)
 
+    def start_call(self, method: str, metadata: Metadata, at: float) -> OtelCallSpan:
+        parent = propagate.extract(dict(metadata), context=Context())  # the caller's, nothing ambient
+        service, _, name = method.rpartition("/")
+        span = self.tracer.start_span(method, context=parent, kind=SpanKind.SERVER, start_time=self.ns(at),
+                                      attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
+        return OtelCallSpan(self, span, method, trace.get_current_span(parent).get_span_context().is_valid)
+
     def start_batch(self, requests: Sequence[tuple[SpanRef, str]], at: float,
                     attributes: Mapping[str, AttributeValue]) -> OtelBatchSpan:
         links = [Link(_linked(ref), {"router.request_id": request_id}) for ref, request_id in requests]
@@ -136,10 +152,10 @@ class OtelTracing:
 class OtelPhases:
     """A request's path: the open phase is a name and a start; its span is made when it ends."""
 
-    __slots__ = ("_ended", "_item", "_open", "_parent", "_tracing", "ref")
+    __slots__ = ("_ended", "_item", "_open", "_owner", "_parent", "_tracing", "ref")
 
-    def __init__(self, tracing: OtelTracing, parent: Context, ref: SpanRef, item: int | None) -> None:
-        self._tracing, self._parent, self.ref, self._item = tracing, parent, ref, item
+    def __init__(self, owner: OtelRequestSpan, parent: Context, ref: SpanRef, item: int | None) -> None:
+        self._owner, self._tracing, self._parent, self.ref, self._item = owner, owner._tracing, parent, ref, item
         self._open: tuple[str, float, SpanRef | None, dict[str, AttributeValue]] | None = None
         self._ended = time.monotonic()
 
@@ -154,6 +170,11 @@ class OtelPhases:
     def leave(self, at: float, error: BaseException | None = None) -> None:
         if self._open is not None:
             self._close(at, error)
+
+    def stage(self, name: str, at: float, **attributes: AttributeValue) -> OtelStageSpan:
+        if self._item is not None:
+            attributes["router.item"] = self._item
+        return self._owner._stage(self._parent, name, at, attributes)
 
     def _close(self, at: float, error: BaseException | None) -> None:
         assert self._open is not None
@@ -173,7 +194,7 @@ class OtelRequestSpan:
     """The server span of one request and the phase paths under it. Unsampled, it costs what it must:
     the sampling decision, and a trace id and `traceparent` only for a caller that sent its own."""
 
-    __slots__ = ("_error", "_method", "_paths", "_span", "_tracing", "recording", "ref", "trace_id")
+    __slots__ = ("_error", "_method", "_paths", "_span", "_stages", "_tracing", "recording", "ref", "trace_id")
 
     def __init__(self, tracing: OtelTracing, span: trace.Span, method: str, joined: bool) -> None:
         self._tracing, self._span, self._method = tracing, span, method
@@ -182,14 +203,25 @@ class OtelRequestSpan:
         self.trace_id = f"{context.trace_id:032x}" if self.recording or joined else None
         self.ref = SpanRef(context.trace_id, context.span_id) if self.recording else None
         self._paths: list[OtelPhases] = []
+        self._stages: list[OtelStageSpan] = []
         self._error: BaseException | None = None
 
     def phases(self, item: int | None = None) -> OtelPhases | None:
         if self.ref is None:
             return None
-        path = OtelPhases(self._tracing, trace.set_span_in_context(self._span), self.ref, item)
+        return self._path(trace.set_span_in_context(self._span), self.ref, item)
+
+    def _path(self, parent: Context, ref: SpanRef, item: int | None) -> OtelPhases:
+        path = OtelPhases(self, parent, ref, item)
         self._paths.append(path)
         return path
+
+    def _stage(self, parent: Context, name: str, at: float, attributes: dict[str, AttributeValue]) -> OtelStageSpan:
+        span = self._tracing.tracer.start_span(name, context=parent, start_time=self._tracing.ns(at),
+                                               attributes=attributes)
+        stage = OtelStageSpan(self, span)
+        self._stages.append(stage)
+        return stage
 
     def describe(self, **attributes: AttributeValue) -> None:
         if self.recording:
@@ -199,8 +231,7 @@ class OtelRequestSpan:
         self._error = error
 
     def end(self, status: int, at: float, route: str | None = None) -> None:
-        for path in self._paths:  # a phase still open ends with the request (respond; or the one that failed)
-            path.leave(at, self._error)
+        self._end_parts(at)
         span = self._span
         if self.recording:
             if route:
@@ -214,12 +245,66 @@ class OtelRequestSpan:
                 span.set_status(Status(StatusCode.ERROR, _reason(self._error) if self._error else f"HTTP {status}"))
         span.end(end_time=self._tracing.ns(at))
 
+    def _end_parts(self, at: float) -> None:
+        """What is still open ends with the request: a phase (respond; or the one that failed), a stage."""
+        for path in self._paths:
+            path.leave(at, self._error)
+        for stage in self._stages:
+            stage.end(at, self._error)
+
     def response_headers(self) -> list[tuple[bytes, bytes]]:
         if self.trace_id is None:
             return []
         carrier: dict[str, str] = {}
         propagate.inject(carrier, context=trace.set_span_in_context(self._span))
         return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in carrier.items()]
+
+
+class OtelCallSpan(OtelRequestSpan):
+    """A gRPC call's server span: its status is the gRPC code of the router's status, an error for
+    the codes OpenTelemetry's RPC conventions call a server's error."""
+
+    __slots__ = ()
+
+    def end(self, status: int, at: float, route: str | None = None) -> None:
+        self._end_parts(at)
+        span = self._span
+        if self.recording:
+            code = grpc_code(status)
+            span.set_attribute("rpc.grpc.status_code", GRPC_CODE_NUMBERS[code])
+            if code != "OK":
+                span.set_attribute("error.type", type(self._error).__name__ if self._error else code)
+            if code in SERVER_ERROR_CODES:
+                span.set_status(Status(StatusCode.ERROR, _reason(self._error) if self._error else code))
+        span.end(end_time=self._tracing.ns(at))
+
+
+class OtelStageSpan:
+    """One stage of a request's path and the paths of phases under it."""
+
+    __slots__ = ("_ended", "_owner", "_span", "ref")
+
+    def __init__(self, owner: OtelRequestSpan, span: trace.Span) -> None:
+        self._owner, self._span, self._ended = owner, span, False
+        context = span.get_span_context()
+        self.ref = SpanRef(context.trace_id, context.span_id)
+
+    def phases(self, item: int | None = None) -> OtelPhases:
+        return self._owner._path(trace.set_span_in_context(self._span), self.ref, item)
+
+    def stage(self, name: str, at: float, **attributes: AttributeValue) -> OtelStageSpan:
+        return self._owner._stage(trace.set_span_in_context(self._span), name, at, attributes)
+
+    def describe(self, **attributes: AttributeValue) -> None:
+        self._span.set_attributes(attributes)
+
+    def end(self, at: float, error: BaseException | None = None) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        if error is not None:
+            _mark_failed(self._span, error)
+        self._span.end(end_time=self._owner._tracing.ns(at))
 
 
 class OtelBatchSpan:

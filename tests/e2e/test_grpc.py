@@ -164,7 +164,8 @@ def test_the_request_id_comes_back(fleet_server: RouterProcess) -> None:
 def test_errors_carry_the_routers_message_and_code(fleet_server: RouterProcess) -> None:
     triton = grpc_client(fleet_server)
     unknown = grpc_error(lambda: triton.infer("nope", [image_bytes(grpcclient, "square.png")]))
-    assert unknown.status() == "StatusCode.NOT_FOUND" and unknown.message() == "no model named 'nope'; models: resnet18, yolov8n"
+    assert unknown.status() == "StatusCode.NOT_FOUND" and unknown.message() == (
+        "no model or pipeline named 'nope'; models: resnet18, yolov8n; pipelines: detect-classify")
     floats = grpcclient.InferInput("IMAGE", [1, 2, 2, 3], "FP32")
     floats.set_data_from_numpy(np.zeros((1, 2, 2, 3), dtype=np.float32))
     wrong = grpc_error(lambda: triton.infer("resnet18", [floats]))

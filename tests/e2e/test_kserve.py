@@ -173,7 +173,8 @@ def test_errors_carry_the_routers_message(fleet_server: RouterProcess) -> None:
     wrong_name = httpclient.InferInput("INPUT__0", [1], "BYTES")
     wrong_name.set_data_from_numpy(np.array([b"x"], dtype=np.object_))
 
-    assert expect_error(lambda: triton.infer("nope", [truncated]), 404) == "no model named 'nope'; models: resnet18, yolov8n"
+    assert expect_error(lambda: triton.infer("nope", [truncated]), 404) == (
+        "no model or pipeline named 'nope'; models: resnet18, yolov8n; pipelines: detect-classify")
     assert expect_error(lambda: triton.infer("resnet18", [truncated]), 400).startswith("corrupt or truncated image data")
     assert expect_error(lambda: triton.infer("resnet18", [floats]), 400) == (
         "input 'IMAGE' of model 'resnet18' must be BYTES [N] or UINT8 [N,H,W,3], got FP32 [1, 2, 2, 3]")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import queue
 import re
 import threading
 import time
@@ -15,11 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import ultralytics
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.utils import InferenceServerException
 
 from router.sdk import PIXELS_MEDIA_TYPE, Payload, PluginContext, decode_image
 from router.serving.plan import load_plan
@@ -170,6 +175,65 @@ def test_a_pipeline_is_a_model_to_v2_clients(server: RouterProcess) -> None:
     tensor.set_data_from_numpy(np.array([(PHOTOS / "zidane.jpg").read_bytes()], dtype=np.object_))
     [answer] = [json.loads(e) for e in triton.infer(PIPELINE, [tensor]).as_numpy("OUTPUT")]
     assert_same(answer, predict(server, PIPELINE, "zidane.jpg").json()["result"])
+
+
+def test_a_pipeline_is_a_model_to_grpc_clients_too(server: RouterProcess) -> None:
+    """tritonclient.grpc sees detect-classify as tritonclient.http does: its metadata, readiness, its
+    line in the index and its health; bus.jpg gets the same answer unary and streamed as over HTTP
+    V2, and every request counts in the one runner the HTTP routes show."""
+    triton, over_http = grpcclient.InferenceServerClient(server.grpc_address), http_v2(server)
+    metadata = triton.get_model_metadata(PIPELINE, as_json=True)
+    assert (metadata["name"], metadata["platform"]) == (PIPELINE, "ensemble")
+    assert [i["name"] for i in metadata["inputs"]] == [i["name"] for i in over_http.get_model_metadata(PIPELINE)["inputs"]]
+    assert triton.is_model_ready(PIPELINE) and not triton.is_model_ready(PIPELINE, model_version="2")
+    assert (PIPELINE, "READY") in {(m.name, m.state) for m in triton.get_model_repository_index().models}
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=PIPELINE), timeout=10)
+    assert status.status == health_pb2.HealthCheckResponse.SERVING
+    before = httpx.get(f"{server.url}/pipelines/{PIPELINE}", timeout=30).json()["requests"].get("ok", 0)
+
+    [over_grpc] = v2_answers(triton.infer(PIPELINE, [photo_tensor(grpcclient, "bus.jpg")], client_timeout=120))
+    [expected] = v2_answers(over_http.infer(PIPELINE, [photo_tensor(httpclient, "bus.jpg")]))
+    assert expected["detections"] and all("resnet18" in d for d in expected["detections"])
+    assert_same(over_grpc, expected)
+    got: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    triton.start_stream(callback=lambda result, error: got.put((result, error)))
+    triton.async_stream_infer(PIPELINE, [photo_tensor(grpcclient, "bus.jpg")], request_id="frame-0")
+    triton.stop_stream()
+    result, error = got.get(timeout=120)
+    assert error is None, error
+    assert_same(v2_answers(result), [expected])
+    assert httpx.get(f"{server.url}/pipelines/{PIPELINE}", timeout=30).json()["requests"]["ok"] == before + 3
+
+
+def test_an_unknown_name_lists_the_models_and_the_pipelines(server: RouterProcess) -> None:
+    """Where a name could be a model's or a pipeline's, its 404 lists both: the native route (from the
+    connection and from the app), the model's own route, V2 over HTTP and over gRPC."""
+    expected = f"no model or pipeline named 'nope'; models: resnet18, yolov8n; pipelines: {PIPELINE}"
+    assert predict(server, "nope", "bus.jpg").json()["detail"] == expected  # refused from the headers
+    twice = [("content-type", "image/jpeg"), ("x-request-id", "a"), ("x-request-id", "b")]  # left to the app's check
+    in_app = httpx.post(f"{server.url}/models/nope/predict", timeout=30, headers=twice, content=b"\xff\xd8")
+    assert (in_app.status_code, in_app.json()["detail"]) == (404, expected)
+    assert httpx.get(f"{server.url}/models/nope", timeout=30).json()["detail"] == expected
+    assert httpx.get(f"{server.url}/v2/models/nope", timeout=30).json()["error"] == expected
+    triton = grpcclient.InferenceServerClient(server.grpc_address)
+    with pytest.raises(InferenceServerException) as caught:
+        triton.infer("nope", [photo_tensor(grpcclient, "bus.jpg")])
+    assert caught.value.status() == "StatusCode.NOT_FOUND" and caught.value.message() == expected
+
+
+def http_v2(server: RouterProcess) -> httpclient.InferenceServerClient:
+    return httpclient.InferenceServerClient(server.url.removeprefix("http://"), network_timeout=120)
+
+
+def photo_tensor(module: Any, photo: str) -> Any:
+    tensor = module.InferInput("IMAGE", [1], "BYTES")
+    tensor.set_data_from_numpy(np.array([(PHOTOS / photo).read_bytes()], dtype=np.object_))
+    return tensor
+
+
+def v2_answers(result: Any) -> list[Any]:
+    return [json.loads(element) for element in result.as_numpy("OUTPUT")]
 
 
 def test_a_pipeline_is_listed_logged_measured_and_shown(server: RouterProcess) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -189,6 +190,10 @@ def test_cuda_shared_memory_is_declared_unsupported(server: RouterProcess, proto
     refused = error_of(lambda: triton.register_cuda_shared_memory("gpu", b"\0" * 64, 0, 64))
     assert refused.status() == ("400" if protocol == "http" else "StatusCode.UNIMPLEMENTED")  # as Triton answers
     assert "CUDA shared memory is not supported" in refused.message()
+    if protocol == "http":  # the route's own summary says the status it answers
+        schema = httpx.get(f"{server.url}/schema/openapi.json", timeout=30).json()
+        summary = schema["paths"]["/v2/cudasharedmemory/region/{name}/register"]["post"]["summary"]
+        assert f"({refused.status()}," in summary, summary
     status = triton.get_cuda_shared_memory_status()
     assert (status == []) if protocol == "http" else (len(status.regions) == 0)
     triton.unregister_cuda_shared_memory()  # nothing registered: nothing to do

@@ -14,7 +14,8 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,6 +47,19 @@ def roles(server: RouterProcess) -> dict[str, int]:
         if title.startswith("model-router: "):
             found[title.removeprefix("model-router: ")] = child.pid
     return found
+
+
+@contextmanager
+def serve_split(tmp_path: Path, text: str, env: dict[str, str] | None = None) -> Iterator[RouterProcess]:
+    """`serve` of a split host, given back once every front has started its server and taken its
+    title: the first front to answer /health/ready is not all of them."""
+    env = {**SPLIT, **(env or {})}
+    fronts = {f"front {i}" for i in range(1, int(env["MODEL_ROUTER_WORKERS"]) + 1)}
+    with serve(tmp_path, text, env=env) as server:
+        until(lambda: fronts <= set(roles(server)) and fronts <= {
+            r.get("role") for r in server.log_records() if r.get("message") == "Application startup complete."},
+            what="every front started")
+        yield server
 
 
 def until(condition: Callable[[], object], timeout_s: float = 30.0, what: str = "the condition") -> None:
@@ -122,7 +136,7 @@ def client_ports_of(pid: int, server_port: int) -> set[int]:
 
 
 def test_two_fronts_and_an_engine_serve_like_one_process(tmp_path: Path) -> None:
-    with serve(tmp_path, fleet(), env=SPLIT) as server:
+    with serve_split(tmp_path, fleet()) as server:
         assert set(roles(server)) == {"engine", "front 1", "front 2"}
         answers = []
         for _ in range(20):  # a new connection each: the kernel spreads them over both fronts
@@ -148,7 +162,7 @@ def test_two_fronts_and_an_engine_serve_like_one_process(tmp_path: Path) -> None
 
 
 def test_a_front_killed_under_load_loses_only_its_own_requests(tmp_path: Path) -> None:
-    with serve(tmp_path, fleet(fixed_ms=5), env=SPLIT) as server:
+    with serve_split(tmp_path, fleet(fixed_ms=5)) as server:
         port = int(server.url.rsplit(":", 1)[1])
         clients, threads = run_clients(server, 8)
         until(lambda: all(len(c.results) > 5 for c in clients), what="every client served")
@@ -171,7 +185,7 @@ def test_a_front_killed_under_load_loses_only_its_own_requests(tmp_path: Path) -
 
 
 def test_the_engine_killed_under_load_answers_503_with_retry_after_then_serves_again(tmp_path: Path) -> None:
-    with serve(tmp_path, fleet(fixed_ms=20), env=SPLIT) as server:
+    with serve_split(tmp_path, fleet(fixed_ms=20)) as server:
         clients, threads = run_clients(server, 6)
         until(lambda: all(len(c.results) > 3 for c in clients), what="every client served")
         engine = roles(server)["engine"]
@@ -189,7 +203,7 @@ def test_the_engine_killed_under_load_answers_503_with_retry_after_then_serves_a
 
 
 def test_sigterm_answers_every_request_the_engine_had_queued(tmp_path: Path) -> None:
-    with serve(tmp_path, fleet(fixed_ms=300, max_batch=1), env=SPLIT) as server:
+    with serve_split(tmp_path, fleet(fixed_ms=300, max_batch=1)) as server:
         results: list[int] = []
 
         def one(ident: str) -> None:
@@ -209,7 +223,7 @@ def test_sigterm_answers_every_request_the_engine_had_queued(tmp_path: Path) -> 
 
 
 def test_a_front_refuses_a_surge_from_the_board_without_asking_the_engine(tmp_path: Path) -> None:
-    with serve(tmp_path, fleet(fixed_ms=2000, max_batch=1, queue=2), env=SPLIT) as server:
+    with serve_split(tmp_path, fleet(fixed_ms=2000, max_batch=1, queue=2)) as server:
         holders = [threading.Thread(target=lambda: httpx.post(server.url + "/models/m/predict", json={"id": "h"},
                                                                timeout=30)) for _ in range(3)]
         for thread in holders:
@@ -237,7 +251,7 @@ def test_a_front_refuses_a_surge_from_the_board_without_asking_the_engine(tmp_pa
 
 
 def test_sighup_reaches_the_engine_and_every_front_learns_the_new_model(tmp_path: Path) -> None:
-    with serve(tmp_path, fleet(), env=SPLIT) as server:
+    with serve_split(tmp_path, fleet()) as server:
         config = tmp_path / "fleet.yaml"
         config.write_text(fleet() + fleet(name="b").removeprefix("models:\n"), encoding="utf-8")
         server.process.send_signal(signal.SIGHUP)
@@ -249,7 +263,7 @@ def test_sighup_reaches_the_engine_and_every_front_learns_the_new_model(tmp_path
 
 
 def test_an_engine_that_keeps_dying_stops_the_server_with_status_1(tmp_path: Path) -> None:
-    with serve(tmp_path, fleet(), env=SPLIT) as server:
+    with serve_split(tmp_path, fleet()) as server:
         (tmp_path / "fleet.yaml").write_text("models: {}\n", encoding="utf-8")  # the next engine cannot start
         os.kill(roles(server)["engine"], signal.SIGKILL)
         assert server.process.wait(60) == 1
@@ -259,7 +273,7 @@ def test_an_engine_that_keeps_dying_stops_the_server_with_status_1(tmp_path: Pat
 def test_hooks_that_need_the_model_run_in_the_engine(tmp_path: Path) -> None:
     text = ("models:\n  unsplit: {plugin: unsplit, batch: {max_size: 4}}\n"
             "  engine-hooks: {plugin: engine-hooks, batch: {max_size: 4}}\n")
-    with serve(tmp_path, text, env=SPLIT) as server:
+    with serve_split(tmp_path, text) as server:
         engine = roles(server)["engine"]
         answers = {}
         for model in ("unsplit", "engine-hooks"):
@@ -291,7 +305,7 @@ def test_v2_shared_memory_registered_through_one_front_is_read_through_every_fro
     try:
         document = serialize_byte_tensor(np.array([b'{"id": "from-shm"}'], dtype=np.object_)).item()
         shm.set_shared_memory_region(handle, [np.array(document, dtype=np.object_)])
-        with serve(tmp_path, fleet(), env={**SPLIT, "MODEL_ROUTER_LOG_FORMAT": "json"}) as server:
+        with serve_split(tmp_path, fleet(), env={"MODEL_ROUTER_LOG_FORMAT": "json"}) as server:
             address = server.url.removeprefix("http://")
             httpclient.InferenceServerClient(address).register_system_shared_memory(name, key, len(document))
 
@@ -329,7 +343,7 @@ def test_a_trace_joins_the_front_and_the_engine(tmp_path: Path) -> None:
     with receiver() as otlp:
         env = {**SPLIT, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "OTEL_BSP_SCHEDULE_DELAY": "50",
                "MODEL_ROUTER_LOG_FORMAT": "json"}
-        with serve(tmp_path, TRACED.format(record=record), env=env) as server:
+        with serve_split(tmp_path, TRACED.format(record=record), env=env) as server:
             ids = [f"split-{i}" for i in range(6)]
             sent: dict[str, Sent] = {}
             together = threading.Barrier(len(ids))

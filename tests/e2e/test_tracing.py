@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import queue
+import re
 import secrets
 import subprocess
 import sys
@@ -19,8 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
+import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
+import ultralytics
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import serialize_byte_tensor
 
 from tests.conftest import REPO, RouterProcess, read_records, serve
 from tests.otlp_receiver import SERVER, STATUS_ERROR, ReceivedSpan, Receiver, receiver
@@ -284,3 +292,182 @@ def test_a_v2_request_of_many_items_has_a_path_per_item_under_its_span(server: R
         assert f"v2-many.{index}" in {link.attributes["router.request_id"] for link in batch.links}
         assert all(link.span_id == span.span_id for link in batch.links if link.attributes["router.request_id"]
                    .startswith("v2-many"))
+
+
+# -- gRPC: a call (and each frame of a stream) is a server span with V2's phases ----------------------
+
+
+GRPC_PHASES = ["receive", "decode", *PHASES[1:-1], "respond"]
+MODEL_INFER = "inference.GRPCInferenceService/ModelInfer"
+
+
+def infer_message(model: str, *request_ids: str) -> service_pb2.ModelInferRequest:
+    """A ModelInferRequest of JSON documents (the scripted model's input), one item per id."""
+    documents = np.array([json.dumps({"id": rid}).encode() for rid in request_ids], dtype=np.object_)
+    return service_pb2.ModelInferRequest(
+        model_name=model, inputs=[service_pb2.ModelInferRequest.InferInputTensor(
+            name="JSON", datatype="BYTES", shape=[len(request_ids)])],
+        raw_input_contents=[serialize_byte_tensor(documents).item()])
+
+
+def test_a_grpc_call_is_a_server_span_with_the_phases_of_v2_and_echoes_the_traceparent(
+    server: RouterProcess, otlp: Receiver,
+) -> None:
+    client_trace, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    metadata = (("traceparent", f"00-{client_trace}-{client_span}-01"), ("x-request-id", "grpc-1"))
+    started = time.monotonic_ns()
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        answer, call = stub.ModelInfer.with_call(infer_message("batched", "grpc-1"), metadata=metadata, timeout=30)
+        latency_ns = time.monotonic_ns() - started
+        with pytest.raises(grpc.RpcError) as refused:  # the queue's deadline passes: an error span with its reason
+            stub.ModelInfer(infer_message("slow", "hang"), metadata=(("x-request-id", "grpc-504"),), timeout=30)
+    assert json.loads(answer.raw_output_contents[0][4:])["id"] == "grpc-1"
+    span = otlp.wait_for(lambda got: server_span(got, "grpc-1"))
+    assert (span.name, span.trace_id, span.parent_id) == (MODEL_INFER, client_trace, client_span)
+    assert span.attributes["rpc.system"] == "grpc" and span.attributes["rpc.method"] == "ModelInfer"
+    assert span.attributes["rpc.grpc.status_code"] == 0 and span.attributes["router.model"] == "batched"
+    assert 0 < span.duration_ns <= latency_ns + CLOCK_NS
+    phases = children(otlp.wait_for(lambda got: got if len(children(got, span)) >= len(GRPC_PHASES) else None), span)
+    assert [p.name for p in phases] == GRPC_PHASES
+    assert phases[0].start_ns == span.start_ns and phases[-1].end_ns == span.end_ns
+    assert all(a.end_ns == b.start_ns for a, b in itertools.pairwise(phases))
+    execute = next(p for p in phases if p.name == "execute")
+    batch = otlp.wait_for(lambda got: next((s for s in got if s.span_id == execute.links[0].span_id), None))
+    assert {(link.span_id, link.attributes["router.request_id"]) for link in batch.links} >= {(span.span_id, "grpc-1")}
+    echoed = f"00-{client_trace}-{span.span_id}-01"
+    assert dict(call.initial_metadata())["traceparent"] == echoed
+    assert dict(call.trailing_metadata())["traceparent"] == echoed
+    assert server.access_lines("grpc-1")[0]["trace_id"] == client_trace
+
+    assert refused.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    failed = otlp.wait_for(lambda got: server_span(got, "grpc-504"))
+    assert failed.status_code == STATUS_ERROR and "exceeded its timeout" in failed.status_message
+    assert failed.attributes["rpc.grpc.status_code"] == 4 and failed.attributes["error.type"] == "ExecutionTimeout"
+    assert parse_traceparent(dict(refused.value.trailing_metadata())["traceparent"]) == (
+        failed.trace_id, failed.span_id, True)
+    assert server.access_lines("grpc-504")[0]["trace_id"] == failed.trace_id
+
+
+def test_each_frame_of_a_stream_is_a_server_span_named_in_its_answer(server: RouterProcess, otlp: Receiver) -> None:
+    client_trace, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    got: queue.Queue[tuple[Any, Any]] = queue.Queue()
+    triton = grpcclient.InferenceServerClient(server.grpc_address)
+    triton.start_stream(callback=lambda result, error: got.put((result, error)),
+                        headers={"traceparent": f"00-{client_trace}-{client_span}-01", "x-request-id": "stream"})
+    for index in range(2):
+        tensor = grpcclient.InferInput("JSON", [1], "BYTES")
+        tensor.set_data_from_numpy(np.array([json.dumps({"id": f"frame-{index}"}).encode()], dtype=np.object_))
+        triton.async_stream_infer("batched", [tensor], request_id=f"frame-{index}")
+    triton.stop_stream()
+    results = [got.get(timeout=30) for _ in range(2)]
+    assert all(error is None for _, error in results), results
+    for index, (result, _) in enumerate(results):
+        span = otlp.wait_for(lambda got, index=index: server_span(got, f"stream.{index}"))
+        assert (span.name, span.trace_id, span.parent_id) == (
+            "inference.GRPCInferenceService/ModelStreamInfer", client_trace, client_span)
+        named = result.get_response().parameters["traceparent"].string_param
+        assert named == f"00-{client_trace}-{span.span_id}-01"
+        phases = children(otlp.wait_for(lambda got, span=span: got if len(children(got, span)) >= len(GRPC_PHASES)
+                                        else None), span)
+        assert [p.name for p in phases] == GRPC_PHASES
+        assert server.access_lines(f"stream.{index}")[0]["trace_id"] == client_trace
+
+
+# -- a pipeline: a stage per step, each crop's phases linked to the batch it rode ------------------------
+
+
+PHOTOS = Path(ultralytics.__file__).parent / "assets"
+PIPELINE_STEPS = ["step 0:yolov8n", "step 1:crop", "step 2:resnet18"]
+ITEM_PHASES = PHASES[1:-1]  # admission .. postprocess
+
+
+@pytest.fixture(scope="module")
+def pipeline_server(tmp_path_factory: pytest.TempPathFactory, otlp: Receiver) -> Iterator[RouterProcess]:
+    """config/fleet.yaml (detect-classify) on the demo store, every limit at 60 s, and batch windows
+    wide enough (1 s, for a busy machine) that the detections of requests sent together, and then their
+    crops, share batches."""
+    text = (REPO / "config" / "fleet.yaml").read_text(encoding="utf-8")
+    text = text.replace("model_store: ../model_store", f"model_store: {REPO / 'model_store'}")
+    text = re.sub(r"max_delay_ms: \d+", "max_delay_ms: 1000", re.sub(r"timeout_ms: \d+", "timeout_ms: 60000", text))
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.url, "OTEL_BSP_SCHEDULE_DELAY": "50", "MODEL_ROUTER_LOG_FORMAT": "json"}
+    with serve(tmp_path_factory.mktemp("pipeline"), text, env=env, timeout=180) as process:
+        yield process
+
+
+def test_a_pipeline_request_has_a_stage_per_step_and_its_crops_ride_batches_with_other_requests(
+    pipeline_server: RouterProcess, otlp: Receiver,
+) -> None:
+    ids = [f"dc-{i}" for i in range(3)]
+    together = threading.Barrier(len(ids))
+    answers: dict[str, httpx.Response] = {}
+
+    def one(index: int) -> None:
+        together.wait(10)
+        answers[ids[index]] = httpx.post(
+            f"{pipeline_server.url}/models/detect-classify/predict", timeout=120,
+            content=(PHOTOS / ("bus.jpg", "zidane.jpg")[index % 2]).read_bytes(),
+            headers={"content-type": "image/jpeg", "x-request-id": ids[index]})
+
+    threads = [threading.Thread(target=one, args=(index,)) for index in range(len(ids))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(150)
+    assert all(answers[rid].status_code == 200 for rid in ids), {rid: a.text[:200] for rid, a in answers.items()}
+    crops = {rid: len(answers[rid].json()["result"]["detections"]) for rid in ids}
+    assert all(crops.values()), crops
+
+    def complete(got: list[ReceivedSpan]) -> list[ReceivedSpan] | None:
+        """Every request's span and phases, each crop's execute phase and the batch span it links to."""
+        spans = [server_span(got, rid) for rid in ids]
+        if not all(spans):
+            return None
+        executes = [p for s in spans for p in descendants(got, s) if p.name == "execute"]  # type: ignore[arg-type]
+        linked = {link.span_id for p in executes for link in p.links}
+        found = {s.span_id for s in got}
+        return got if len(executes) == sum(crops.values()) + len(ids) and linked <= found else None
+
+    spans = otlp.wait_for(complete, timeout_s=30)
+    classifier_batches: dict[str, set[str]] = {}  # batch span id: the requests whose crops rode it
+    for rid in ids:
+        span = server_span(spans, rid)
+        assert span is not None and span.name == "POST /models/{name}/predict"
+        under = children(spans, span)
+        assert [p.name for p in under if not p.name.startswith("step ")] == ["receive", "pipeline", "respond"]
+        stages = {p.name: p for p in under if p.name.startswith("step ")}
+        assert sorted(stages) == PIPELINE_STEPS  # one span per step
+        pipeline = next(p for p in under if p.name == "pipeline")
+        assert all(pipeline.start_ns <= s.start_ns and s.end_ns <= pipeline.end_ns for s in stages.values())
+        steps = {s["step"]: s for s in answers[rid].json()["timing"]["steps"]}
+        for name, stage in stages.items():
+            key = name.removeprefix("step ")
+            assert stage.attributes["router.step"] == key and stage.attributes["router.items"] == steps[key]["items"]
+        assert steps["2:resnet18"]["items"] == crops[rid] and children(spans, stages["step 1:crop"]) == []
+        for stage_name, model in (("step 0:yolov8n", "yolov8n"), ("step 2:resnet18", "resnet18")):
+            stage = stages[stage_name]
+            items = children(spans, stage)
+            count = 1 if model == "yolov8n" else crops[rid]
+            assert len(items) == count * len(ITEM_PHASES)
+            for item in range(count):
+                path = [p for p in items if p.attributes["router.item"] == item]
+                assert [p.name for p in path] == ITEM_PHASES
+                assert all(a.end_ns == b.start_ns for a, b in itertools.pairwise(path))
+                assert stage.start_ns <= path[0].start_ns and path[-1].end_ns <= stage.end_ns
+                [link] = next(p for p in path if p.name == "execute").links
+                batch = next(s for s in spans if s.span_id == link.span_id)
+                assert batch.name == "batch" and batch.attributes["router.model"] == model
+                assert any(bl.span_id == stage.span_id for bl in batch.links)  # the batch links back to the stage
+                if model == "resnet18":
+                    riders = {str(bl.attributes["router.request_id"]).split(".")[0] for bl in batch.links}
+                    classifier_batches.setdefault(batch.span_id, set()).update(riders & set(ids))
+    shared = [riders for riders in classifier_batches.values() if len(riders) > 1]
+    assert shared, classifier_batches  # crops of different requests rode one classifier batch
+    for batch_id, riders in classifier_batches.items():  # and each rider's crop in it links to that batch
+        batch = next(s for s in spans if s.span_id == batch_id)
+        assert {str(link.attributes["router.request_id"]).split(".")[0] for link in batch.links} & set(ids) == riders
+
+
+def descendants(spans: list[ReceivedSpan], root: ReceivedSpan) -> list[ReceivedSpan]:
+    below = children(spans, root)
+    return below + [d for child in below for d in descendants(spans, child)]

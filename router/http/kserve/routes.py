@@ -29,9 +29,9 @@ from router.http.request_state import note_error, pipelines_of, received_at, req
 from router.inference_protocol import repository
 from router.inference_protocol.request import InferRequest, router_priority
 from router.inference_protocol.shared_memory import ClientRegions
-from router.inference_protocol.submission import Entry, Ran, run_request
-from router.serving.facade import ServingFacade
-from router.serving.snapshots import ModelInfo
+from router.inference_protocol.submission import Ran, item_traces, run_request
+from router.inference_protocol.targets import Target, find_target
+from router.inference_protocol.targets import repository_index as repository_entries
 from router.tracing.api import Phases
 
 __all__ = ["v2_error_response", "v2_router"]
@@ -41,13 +41,10 @@ DEFAULT_BODY_LIMIT: Final = 20 * 1024 * 1024
 DEFAULT_MAX_ITEMS: Final = 1024
 
 
-def _model(request: Request[Any, Any, Any], name: str) -> ModelInfo:
-    """The model (for a pipeline, the model its requests enter by), 404 for an unknown name or a version
-    (the path's `/versions/{version}`) it does not have."""
-    pipelines = pipelines_of(request)
-    model = runtime_of(request).model(pipelines.plan(name).entry if pipelines.serves(name) else name)
-    repository.check_version(name, request.path_params.get("version"))
-    return model
+def _target(request: Request[Any, Any, Any], name: str) -> Target:
+    """The model or pipeline `name` names, 404 for neither or a version (the path's `/versions/{version}`)
+    it does not have."""
+    return find_target(runtime_of(request), pipelines_of(request), name, request.path_params.get("version"))
 
 
 def _status(ok: bool) -> Response[bytes]:
@@ -76,14 +73,12 @@ async def server_ready(request: Request[Any, Any, Any]) -> Response[bytes]:
 
 @get(["/models/{name:str}", "/models/{name:str}/versions/{version:str}"], summary="V2 model metadata")
 async def model_metadata(name: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, Any]:
-    pipeline = name if pipelines_of(request).serves(name) else None  # a model to V2 clients, as Triton's ensembles
-    return repository.model_metadata(_model(request, name), pipeline=pipeline)
+    return _target(request, name).metadata()  # a pipeline is a model to V2 clients, as Triton's ensembles
 
 
 @get(["/models/{name:str}/ready", "/models/{name:str}/versions/{version:str}/ready"], summary="V2 model readiness")
 async def model_ready(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[bytes]:
-    model, pipelines = _model(request, name), pipelines_of(request)
-    return _status(pipelines.info(name).serving if pipelines.serves(name) else model.serving)
+    return _status(_target(request, name).serving)
 
 
 # -- inference ------------------------------------------------------------------------------------
@@ -95,15 +90,13 @@ async def infer(name: FromPath[str], request: Request[Any, Any, Any]) -> Respons
     """JSON tensors, Triton's binary tensor data extension, or system shared memory. Parameters: `timeout` (us),
     `priority` (1 highest).
     A request is admitted or refused as a whole: its item count against the model's queue before any item is queued."""
-    runtime = runtime_of(request)
     trace = request_phases(request.scope, "receive")
-    model = _model(request, name)  # 404 before reading the body
-    entry = _entry(request, runtime, name)
-    entry.precheck(name, received_at=received_at(request))  # draining, not serving, full: before the body
+    target = _target(request, name)  # 404 before reading the body
+    target.entry.precheck(name, received_at=received_at(request))  # draining, not serving, full: before the body
     limit = _body_limit(request)
     body = _decompress(await request.body(), request.headers.get("content-encoding"), limit)
     regions = client_regions(request, limit)
-    work = _decode_and_run(request, entry, model, body, regions, trace)  # a client gone mid-decode stops it first
+    work = _decode_and_run(request, target, body, regions, trace)  # a client gone mid-decode stops it first
     decoded, ran = await run_unless_disconnected(request.receive, work)
     if trace is not None:
         trace.enter("respond")  # from the runtime's answer
@@ -115,41 +108,24 @@ async def infer(name: FromPath[str], request: Request[Any, Any, Any]) -> Respons
 
 
 async def _decode_and_run(
-    request: Request[Any, Any, Any], entry: Entry, model: ModelInfo, body: bytes, regions: ClientRegions,
-    trace: Phases | None,
+    request: Request[Any, Any, Any], target: Target, body: bytes, regions: ClientRegions, trace: Phases | None,
 ) -> tuple[InferRequest, Ran]:
-    """Decode (off the event loop), then run the request through the model's queue as a whole."""
+    """Decode (off the event loop), then run the request through the model's queue (or the
+    pipeline's runner) as a whole."""
     if trace is not None:
         trace.enter("decode", time.monotonic())
+    model = target.model
     max_items = min(_max_items(request), model.queue_capacity)
     decoded = await asyncio.to_thread(decode_request, body, request.headers.get(HEADER_LENGTH), max_items=max_items,
                                       regions=regions)
     priority = router_priority(decoded.priority, model.priority_levels)
-    request.scope["state"]["access"] = {"model": entry.name, "input_bytes": len(body) + regions.bytes_read,
+    request.scope["state"]["access"] = {"model": target.name, "input_bytes": len(body) + regions.bytes_read,
                                         "items": decoded.items}
-    traces = None if trace is None else _item_traces(request, trace, decoded.items)
-    ran = await run_request(entry, model, decoded, priority=priority, timeout_ms=decoded.timeout_ms,
+    span = request_trace(request.scope)
+    traces = None if trace is None or span is None else item_traces(span, trace, decoded.items)
+    ran = await run_request(target.entry, model, decoded, priority=priority, timeout_ms=decoded.timeout_ms,
                             received_at=received_at(request), traces=traces)
     return decoded, ran
-
-
-def _entry(request: Request[Any, Any, Any], runtime: ServingFacade, name: str) -> Entry:
-    """Where the request's items go: a pipeline's runner for a pipeline's name, else the model's queue."""
-    pipelines = pipelines_of(request)
-    if pipelines.serves(name):
-        return Entry(name, pipelines.precheck, pipelines.run)
-    return Entry.model(runtime, name)
-
-
-def _item_traces(request: Request[Any, Any, Any], trace: Phases, items: int) -> list[Phases | None]:
-    """The phases of each item's path: the request's own path for one item; for many, each item has
-    its own under the request's span (they run side by side), while the request's is in "items"."""
-    if items == 1:
-        return [trace]
-    trace.enter("items", time.monotonic())
-    span = request_trace(request.scope)
-    assert span is not None
-    return [span.phases(item=index) for index in range(items)]
 
 
 def _body_limit(request: Request[Any, Any, Any]) -> int:
@@ -189,9 +165,7 @@ def _decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
 
 @post("/repository/index", status_code=200, summary="V2 repository index: every model and its state")
 async def repository_index(request: Request[Any, Any, Any]) -> list[dict[str, str]]:
-    pipelines = [(p.name, p.serving, p.error) for p in pipelines_of(request).infos()]
-    entries = repository.index_entries(runtime_of(request).models(), ready_only=_ready_flag(await request.body()),
-                                       pipelines=pipelines)
+    entries = repository_entries(runtime_of(request), pipelines_of(request), ready_only=_ready_flag(await request.body()))
     return [asdict(entry) for entry in entries]
 
 
@@ -239,7 +213,7 @@ def _no_load_parameters(name: str, body: bytes) -> None:
 async def model_statistics(request: Request[Any, Any, Any]) -> dict[str, Any]:
     runtime = runtime_of(request)
     name = request.path_params.get("name")
-    models = runtime.models() if name is None else [_model(request, name)]
+    models = runtime.models() if name is None else [_target(request, name).model]
     return {"model_stats": [repository.model_statistics(model) for model in models]}
 
 

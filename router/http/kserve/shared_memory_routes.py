@@ -1,6 +1,7 @@
 """The V2 shared-memory extension over HTTP: register, status and unregister system shared memory
 regions (`router.inference_protocol.shared_memory` holds them, for gRPC too); CUDA shared memory is
-declared unsupported (501) except for the calls that find nothing to do."""
+declared unsupported (400 here, as Triton answers over HTTP; gRPC's UNIMPLEMENTED) except for the
+calls that find nothing to do."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ async def cuda_status(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
     return []
 
 
-@post("/cudasharedmemory/region/{name:str}/register", status_code=200, summary="V2 CUDA shared memory: not supported (501)")
+@post("/cudasharedmemory/region/{name:str}/register", status_code=200, summary="V2 CUDA shared memory: not supported (400, as Triton answers)")
 async def cuda_register(name: FromPath[str]) -> Response[bytes]:
     raise refuse_cuda()
 

@@ -1,12 +1,16 @@
-"""What one pipeline request did, step by step: items, time, queue waits and batch sizes; the
-answer it gives; and the sinks its figures go to (Prometheus, in the HTTP layer)."""
+"""What one pipeline request did, step by step: items, time, queue waits and batch sizes (and,
+for a sampled request, each step as a stage span of its trace); the answer it gives; and the
+sinks its figures go to (Prometheus, in the HTTP layer)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["PipelineAnswer", "PipelineTelemetry", "StepStats", "Trace"]
+from router.tracing.api import Phases, StageSpan
+
+__all__ = ["PipelineAnswer", "PipelineTelemetry", "RequestSteps", "StepStats"]
 
 
 class PipelineTelemetry(Protocol):
@@ -48,16 +52,53 @@ class StepStats:
         return out
 
 
-class Trace:
-    """The steps of one request, in the order they were first reached."""
+class RequestSteps:
+    """The steps of one request, in the order they were first reached. With `path` (a sampled
+    request's path of phases), each step reached is a stage of that path: a span from the step's
+    first item in to its last answer, with a path of phases per item it sent to its model
+    (under a step that is a pipeline, its own steps' stages)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Phases | None = None) -> None:
         self.steps: dict[str, StepStats] = {}
+        self.path = path
+        self._stages: dict[str, StageSpan] = {}
+        self._sent: dict[str, int] = {}  # items sent to each step's model so far
 
     def step(self, key: str, kind: str, name: str) -> StepStats:
         if key not in self.steps:
             self.steps[key] = StepStats(key, kind, name)
         return self.steps[key]
+
+    def reached(self, key: str, kind: str, name: str, at: float) -> StageSpan | None:
+        """The step's stage, started at `at` the first time it is reached; None when not traced."""
+        stats = self.step(key, kind, name)
+        if self.path is None:
+            return None
+        stage = self._stages.get(key)
+        if stage is None:
+            parent = self._stages.get(key.rpartition("/")[0])  # a step of a pipeline run as a step
+            attributes = {"router.step": key, f"router.{stats.kind}": stats.name}
+            stage = (parent or self.path).stage(f"step {key}", at, **attributes)
+            self._stages[key] = stage
+        return stage
+
+    def item_path(self, key: str, model: str, at: float) -> Phases | None:
+        """The path of phases of the next item the step sends to its model (its stage's child)."""
+        stage = self.reached(key, "model", model, at)
+        if stage is None:
+            return None
+        item = self._sent.get(key, 0)
+        self._sent[key] = item + 1
+        return stage.phases(item)
+
+    def end_stages(self, at: float, failures: Mapping[str, BaseException]) -> None:
+        """End every stage: at its last answer, or at `at` with the error of the step that failed in it."""
+        for key, stage in self._stages.items():
+            stats = self.steps[key]
+            error = next((e for k, e in failures.items() if k == key or k.startswith(f"{key}/")), None)
+            if stats.kind != "pipeline":  # a pipeline's items are its own steps'
+                stage.describe(**{"router.items": stats.items})
+            stage.end(at if error is not None or stats.last_at is None else stats.last_at, error)
 
     def model_step(self, key: str, name: str, started: float, ended: float, queue_s: float, execution_s: float,
                    batch_size: int) -> None:

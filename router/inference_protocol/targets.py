@@ -1,0 +1,94 @@
+"""What a name in a V2 call names: a model, or a pipeline, which V2 clients see as a model (as
+Triton's ensembles): its metadata, its readiness, where its items go, its line in the repository
+index. V2 over HTTP and over gRPC (and gRPC's health service) answer from these, so a pipeline is
+the same model over both."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from router.errors import ModelNotFound
+from router.inference_protocol import repository
+from router.inference_protocol.submission import Entry
+from router.sdk.plugin import Payload
+from router.serving.facade import ServingFacade
+from router.serving.plan import PipelinePlan
+from router.serving.snapshots import ModelInfo
+from router.tracing.api import Phases
+
+__all__ = ["PipelineState", "Pipelines", "Target", "find_target", "is_ready", "repository_index"]
+
+
+class PipelineState(Protocol):
+    """A pipeline's snapshot, as the runner gives it (`router.pipelines.PipelineInfo`)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def serving(self) -> bool: ...
+    @property
+    def error(self) -> str | None: ...
+
+
+class Pipelines(Protocol):
+    """What V2 needs of the pipeline runner (`router.pipelines.PipelineRunner`, the front beside this one)."""
+
+    def serves(self, name: str) -> bool: ...
+    def plan(self, name: str) -> PipelinePlan: ...
+    def info(self, name: str) -> PipelineState: ...
+    def infos(self) -> Sequence[PipelineState]: ...
+    def known_model(self, name: str) -> ModelInfo: ...  # 404 listing models and pipelines when it is neither
+    def precheck(self, name: str, *, priority: int | None = None, timeout_ms: float | None = None,
+                 received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> None: ...
+    async def run(self, name: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
+                  request_id: str | None = None, received_at: float | None = None,
+                  trace: Phases | None = None) -> Any: ...  # has `output`
+
+
+@dataclass(frozen=True)
+class Target:
+    """A model, or a pipeline with the model its requests enter by (whose inputs are the pipeline's)."""
+
+    name: str
+    model: ModelInfo
+    entry: Entry
+    runner: Pipelines | None = None  # set for a pipeline
+
+    @property
+    def pipeline(self) -> bool:
+        return self.runner is not None
+
+    @property
+    def serving(self) -> bool:
+        """A model that serves; a pipeline whose every model serves."""
+        return self.runner.info(self.name).serving if self.runner is not None else self.model.serving
+
+    def metadata(self) -> dict[str, Any]:
+        return repository.model_metadata(self.model, pipeline=self.name if self.runner is not None else None)
+
+
+def find_target(runtime: ServingFacade, pipelines: Pipelines, name: str, version: str | None = None) -> Target:
+    """What `name` names; 404 for neither a model nor a pipeline (listing both) or a version it lacks."""
+    if pipelines.serves(name):
+        target = Target(name, runtime.model(pipelines.plan(name).entry), Entry(name, pipelines.precheck, pipelines.run),
+                        pipelines)
+    else:
+        target = Target(name, pipelines.known_model(name), Entry.model(runtime, name))
+    repository.check_version(name, version)
+    return target
+
+
+def is_ready(runtime: ServingFacade, pipelines: Pipelines, name: str, version: str | None = None) -> bool:
+    """Whether `name` serves; an unknown name or version is not ready (as tritonclient.http reads a 404)."""
+    try:
+        return find_target(runtime, pipelines, name, version).serving
+    except ModelNotFound:
+        return False
+
+
+def repository_index(runtime: ServingFacade, pipelines: Pipelines, *, ready_only: bool) -> list[repository.IndexEntry]:
+    """Every model and then every pipeline (or the ready ones), with Triton's word for its state."""
+    return repository.index_entries(runtime.models(), ready_only=ready_only,
+                                    pipelines=[(p.name, p.serving, p.error) for p in pipelines.infos()])
