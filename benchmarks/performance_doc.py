@@ -232,6 +232,39 @@ def _cluster(results: Mapping[str, Any]) -> list[str]:
             f" a share of {_num(rr['served_without_load'])} served without waiting for a load."), ""]
 
 
+def _split(results: Mapping[str, Any]) -> list[str]:
+    sh = results.get("scenarios", {}).get("split")
+    if not sh:
+        return []
+    f, proj = sh["figures"], sh["projection"]
+    rows = []
+    for label, key in (("fast accelerator, c=" + _num(sh["fast"]["concurrency"]), "fast"),
+                       ("no-op model, c=" + _num(sh["noop"]["concurrency"]), "noop")):
+        for name, c in sh[key]["contenders"].items():
+            roles = ", ".join(f"{role[len('cpu_us_per_answer['):-1]} {_num(v['median'])}" for role, v in c.items()
+                              if role.startswith("cpu_us_per_answer["))
+            rows.append([label, name.replace("router ", "router, workers ").replace("bare -", "bare Litestar handler"),
+                         (f"{_num(c['throughput_rps']['median'])} ({_num(c['throughput_rps']['min'])}–"
+                         f"{_num(c['throughput_rps']['max'])})"), _num(c["p50_ms"]["median"]), roles])
+    targets = [f"- {'met' if ok else 'missed'}: {what}" for what, ok in sh["targets"].items()]
+    return ["## One host split into fronts and an engine", "",
+            (f"`benchmarks/split_host.py` on {_num(sh['cores'])} cores: each contender on a fresh server,"
+             f" {_num(sh['fast']['contenders']['router 1']['rounds'])} alternating rounds (medians, the range in"
+             " brackets). The fast accelerator: a batch of n costs 2 + 0.05 n ms, batches of 64, the GIL released."), "",
+            *_table(["workload", "contender", "req/s", "p50 ms", "CPU µs per answer, by process role (median)"], rows),
+            (f"Fast accelerator: workers 1 ÷ the limit {_num(f['fast_w1_over_limit'])}, workers 2 ÷ the limit"
+             f" {_num(f['fast_w2_over_limit'])}; ÷ LitServe's better setting {_num(f['fast_w1_over_litserve'])} and"
+             f" {_num(f['fast_w2_over_litserve'])}; workers 2 ÷ workers 1 {_num(f['w2_over_w1'])}. No-op: router ÷"
+             f" the bare handler {_num(f['noop_w1_over_bare'])} (workers 1), {_num(f['noop_w2_over_bare'])} (workers"
+             f" 2); front CPU ÷ the bare handler's {_num(f['front_over_bare'])}. The engine alone (fake fronts over"
+             f" its socket, batches of 64): {_num(f['engine_alone_us'])} µs of CPU per request."), "",
+            (f"Projection to {_num(proj['cores'])} cores from these CPU costs: one process"
+             f" {_num(proj['one_process_rps'])} req/s, split {_num(proj['split_rps'])} req/s (bound by"
+             f" {proj['split_bound_by']}; the cores alone would carry {_num(proj['cpu_bound_rps'])}, the engine's loop"
+             f" {_num(proj['engine_bound_rps'])}, the accelerator {_num(proj['accelerator_rps'])})."), "",
+            *targets, ""]
+
+
 def _page(results: Mapping[str, Any]) -> list[str]:
     page = results.get("page_overhead", {})
     if "ratio" not in page:
@@ -274,7 +307,7 @@ def render(results: Mapping[str, Any]) -> str:
     photo = results.get("workloads", {}).get("photo", {})
     parts = [HEADER.split("\n")[:-1], _machine(results), _targets(results), _throughput(results, deadline),
              _surges(photo, deadline), _preprocess(photo), _four_models(photo), _residency(results), _cluster(results),
-             _page(results), _tracing(results)]
+             _split(results), _page(results), _tracing(results)]
     return "\n".join(line for part in parts for line in part).rstrip("\n") + "\n"
 
 

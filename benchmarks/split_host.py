@@ -225,6 +225,14 @@ def split_host(store: Path, scratch: Path, seconds: float, warm_s: float = 2.0, 
         "engine_alone_us": statistics.median(r["engine_cpu_us_per_request"] for r in out["engine_alone"]),
     }
     figures["w2_over_w1"] = round(figures["fast_w2_rps"] / figures["fast_w1_rps"], 2)
+    limit = FAST_BATCH / FAST_BATCH_S  # full batches back to back
+    litserve = max(med(fast_c, "litserve auto", "throughput_rps"), med(fast_c, "litserve 2", "throughput_rps"))
+    bare = med(noop_c, "bare -", "throughput_rps")
+    for workers in ("1", "2"):
+        rps = med(fast_c, f"router {workers}", "throughput_rps")
+        figures[f"fast_w{workers}_over_limit"] = round(rps / limit, 3)
+        figures[f"fast_w{workers}_over_litserve"] = round(rps / litserve, 2)  # LitServe's better setting
+        figures[f"noop_w{workers}_over_bare"] = round(med(noop_c, f"router {workers}", "throughput_rps") / bare, 2)
     figures["front_over_bare"] = round(figures["noop_front_us"] / figures["bare_us"], 2)
     out["figures"] = figures
     out["targets"] = {

@@ -110,4 +110,7 @@ async def test_a_failing_step_fails_its_stage_and_the_pipeline_phase(tmp_path: P
     assert children["step 0:boxes"].status.status_code is StatusCode.UNSET
     assert children["pipeline"].status.status_code is StatusCode.ERROR
     preprocess = [p for p in under(exporter, failed) if p.name == "preprocess" and p.status.status_code is StatusCode.ERROR]
-    assert len(preprocess) == 1  # the crop 20 wide, whose preprocess failed
+    # The crop 20 wide, whose preprocess failed; on a busy machine another crop's preprocess may
+    # still be running when the pipeline fails, and ends as cancelled with it, not as this failure.
+    failures = [p for p in preprocess if "scripted failure" in (p.status.description or "")]
+    assert len(failures) == 1, [p.status.description for p in preprocess]

@@ -6,8 +6,9 @@ it is down, never 500; a dead process is reaped, reported once, shown in readine
 a stopped one fences its model until it runs again. An unload also waits for the answers its
 instance gave to be postprocessed (an eviction racing postprocessing answered 500).
 
-`served` starts the server. Issue 21 (fronts and an engine process) parametrizes it over `workers`
-and adds the front or the engine as the victim; the drills read the server only through it.
+`served` starts the server, once per layout (`TOPOLOGIES`): one process, and a split host of two
+fronts and an engine; the drills read the server only through it. A front or the engine as the
+victim: tests/e2e/test_split_host.py.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ models:
     batch: {{max_size: 1}}
 """
 CLIENTS = [Client("victim"), Client("victim"), Client("neighbour"), Client("neighbour")]
-#: Today one process; issue 21 adds a fronts-and-engine layout here.
-TOPOLOGIES = ["one process"]
+#: The layouts drilled: one process, and two HTTP fronts with an engine (the victim's instance
+#: process is then the engine's child; the answers are the fronts').
+TOPOLOGIES = {"one process": {}, "two fronts and an engine": {"MODEL_ROUTER_WORKERS": "2"}}
 
 
 @dataclass
@@ -65,11 +67,11 @@ class Served:
         return child
 
 
-@pytest.fixture(scope="module", params=TOPOLOGIES)
+@pytest.fixture(scope="module", params=list(TOPOLOGIES))
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("drill")
     record = tmp / "batches.jsonl"
-    with serve(tmp, FLEET.format(record=record), timeout=60) as server:
+    with serve(tmp, FLEET.format(record=record), timeout=60, env=TOPOLOGIES[request.param]) as server:
         yield Served(server, record)
 
 
