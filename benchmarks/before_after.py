@@ -33,7 +33,8 @@ PLUGIN_DIRS = ("tests/plugin_dist", "plugins/resnet", "plugins/yolo", "plugins/e
                "plugins/tensorrt", "examples/plugin-mean-colour")
 
 
-def run_once(tree: Path, workload: Workload, store: Path, scratch: Path, seconds: float, warm_s: float) -> dict[str, Any]:
+def run_once(tree: Path, workload: Workload, store: Path, scratch: Path, seconds: float, warm_s: float,
+             workers: str | None = None) -> dict[str, Any]:
     import psutil
 
     port = free_port()
@@ -42,7 +43,9 @@ def run_once(tree: Path, workload: Workload, store: Path, scratch: Path, seconds
     path = os.pathsep.join(str(tree / d) for d in ("", *PLUGIN_DIRS))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, "MODEL_ROUTER_HOST": "127.0.0.1",
            "MODEL_ROUTER_PORT": str(port), "MODEL_ROUTER_CONFIG": str(config), "MODEL_ROUTER_GRPC_PORT": "0"}
-    env.pop("MODEL_ROUTER_WORKERS", None)  # the default setting
+    env.pop("MODEL_ROUTER_WORKERS", None)  # the default setting, unless asked for another
+    if workers is not None:
+        env["MODEL_ROUTER_WORKERS"] = workers
     target = request_target("router", workload, scratch)
     with launch("router", [sys.executable, "-m", "router", "serve"], env, port, f"/models/{workload.name}/predict",
                 "/health/ready", scratch / f"router-{tree.name}-{port}.log", 300, cwd=tree) as server:
@@ -61,14 +64,15 @@ def _spread(values: list[float]) -> dict[str, float]:
 
 
 def before_after(before: Path, workloads: list[str], store: Path, scratch: Path, rounds: int, seconds: float,
-                 warm_s: float) -> dict[str, Any]:
+                 warm_s: float, after_workers: str | None = None) -> dict[str, Any]:
     trees = {"before": before.resolve(), "after": REPO}
     out: dict[str, Any] = {}
     for name in workloads:
         runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
         for round_ in range(rounds):
             for label in ("before", "after") if round_ % 2 == 0 else ("after", "before"):
-                run = run_once(trees[label], WORKLOADS[name], store, scratch, seconds, warm_s)
+                run = run_once(trees[label], WORKLOADS[name], store, scratch, seconds, warm_s,
+                               after_workers if label == "after" else None)
                 runs[label].append(run)
                 print(f"[before/after] {name} round {round_} {label}: {run}", file=sys.stderr, flush=True)
         summary = {label: {key: _spread([r[key] for r in each]) for key in ("throughput_rps", "p50_ms", "p99_ms",
@@ -87,13 +91,14 @@ def main() -> None:
     parser.add_argument("--before", type=Path, required=True, help="the other checkout (its repository root)")
     parser.add_argument("--workload", action="append", choices=sorted(SATURATION), help="default: all four")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--after-workers", help="MODEL_ROUTER_WORKERS for this tree (default: the default setting)")
     parser.add_argument("--seconds", type=float, default=Plan.closed_s)
     parser.add_argument("--store", type=Path, default=REPO / "model_store")
     parser.add_argument("--scratch", type=Path, default=REPO / "benchmarks" / "results" / "scratch" / "before_after")
     args = parser.parse_args()
     args.scratch.mkdir(parents=True, exist_ok=True)
     result = before_after(args.before, args.workload or list(SATURATION), args.store.resolve(), args.scratch,
-                          args.rounds, args.seconds, Plan.warm_s)
+                          args.rounds, args.seconds, Plan.warm_s, args.after_workers)
     print(json.dumps(result))
 
 
