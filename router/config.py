@@ -564,8 +564,8 @@ class ServerSettings(BaseSettings):
 
 #: `workers: auto` gives each core a front, up to this many (the engine's loop carries the rest).
 MAX_AUTO_WORKERS = 16
-#: ... on hosts with more cores than this: on 2 cores one process serves as much as a split one
-#: (docs/architecture-processes.md, "Measured").
+#: ... on hosts with more cores than this: on 2 cores the fronts take cores from a model that runs
+#: on the CPU, while a device-bound model gains from them (docs/architecture-processes.md, "Measured").
 SINGLE_PROCESS_UP_TO_CORES = 2
 
 
