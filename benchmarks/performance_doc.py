@@ -232,6 +232,10 @@ def _cluster(results: Mapping[str, Any]) -> list[str]:
             f" a share of {_num(rr['served_without_load'])} served without waiting for a load."), ""]
 
 
+_SPLIT_NAMES = {"litserve auto": "LitServe, num_api_servers default", "litserve 2": "LitServe, num_api_servers=2",
+                "bare -": "bare Litestar handler"}
+
+
 def _split(results: Mapping[str, Any]) -> list[str]:
     sh = results.get("scenarios", {}).get("split")
     if not sh:
@@ -243,7 +247,7 @@ def _split(results: Mapping[str, Any]) -> list[str]:
         for name, c in sh[key]["contenders"].items():
             roles = ", ".join(f"{role[len('cpu_us_per_answer['):-1]} {_num(v['median'])}" for role, v in c.items()
                               if role.startswith("cpu_us_per_answer["))
-            rows.append([label, name.replace("router ", "router, workers ").replace("bare -", "bare Litestar handler"),
+            rows.append([label, _SPLIT_NAMES.get(name, name.replace("router ", "router, workers ")),
                          (f"{_num(c['throughput_rps']['median'])} ({_num(c['throughput_rps']['min'])}–"
                          f"{_num(c['throughput_rps']['max'])})"), _num(c["p50_ms"]["median"]), roles])
     targets = [f"- {'met' if ok else 'missed'}: {what}" for what, ok in sh["targets"].items()]

@@ -86,3 +86,17 @@ def test_the_committed_page_is_generated_from_the_committed_results() -> None:
     """`make bench` rewrites both; a hand edit of either shows here."""
     expected = render(json.loads(RESULTS.read_text(encoding="utf-8")))
     assert DOC.read_text(encoding="utf-8") == expected, "run: python -m benchmarks.performance_doc"
+
+
+def test_the_split_host_section_states_its_figures_and_targets() -> None:
+    """From the committed split-host run (benchmarks/results/split_host.json) as a run's scenario."""
+    split = json.loads((RESULTS.parent / "split_host.json").read_text(encoding="utf-8"))
+    page = render({**small_results(), "scenarios": {"split": split}})
+    assert "## One host split into fronts and an engine" in page
+    fast = split["fast"]["contenders"]["router 2"]
+    assert (f"| fast accelerator, c=256 | router, workers 2 | {fast['throughput_rps']['median']:g} "
+            f"({fast['throughput_rps']['min']:g}–{fast['throughput_rps']['max']:g})") in page
+    assert f"workers 2 ÷ workers 1 {split['figures']['w2_over_w1']:g}" in page
+    for what, met in split["targets"].items():
+        assert f"- {'met' if met else 'missed'}: {what}" in page
+    assert "## One host split" not in render(small_results())
