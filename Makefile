@@ -37,8 +37,8 @@ gpu-wheels: $(VENV)/.test
 gpu-rehearsal: $(VENV)/.test
 	$(BIN)/python -m gpu_check.rehearsal --wheelhouse .whl
 
-# Every contender on every workload; see benchmarks/run.py. The last full run (docs/performance.md) spent
-# 920 s on its benchmarks, before the protocol, pipeline and tracing parts were added.
+# Every contender on every workload and scenario; see benchmarks/run.py. The last full run
+# (docs/performance.md, 2026-12-01) took 1,686 s.
 bench: $(VENV)/.test $(VENV)/.ray $(VENV)/.bench $(DEMO) test-tools
 	$(BIN)/python -m benchmarks.run
 
