@@ -14,7 +14,7 @@ from model_router_engines.metadata import (
     write_sidecar,
 )
 from model_router_engines.parity import FP16, FP32, ParityReport, Tolerance, compare
-from model_router_engines.tasks import ServingOverrides, TaskProcessing, build_processing, staged_input_bytes
+from model_router_engines.tasks import ProcessingHooks, ServingOverrides, TaskProcessing, build_processing, staged_input_bytes
 
 __all__ = [
     "CHECK_BATCH",
@@ -26,6 +26,7 @@ __all__ = [
     "MetadataError",
     "OnnxReference",
     "ParityReport",
+    "ProcessingHooks",
     "ServingOverrides",
     "TaskProcessing",
     "Tolerance",

@@ -16,12 +16,42 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from model_router_engines.metadata import ExportMetadata, Normalisation
-from router.sdk import DEFAULT_MAX_PIXELS, Payload
+from router.sdk import DEFAULT_MAX_PIXELS, Payload, PluginContext
 
-__all__ = ["ServingOverrides", "TaskProcessing", "build_processing", "staged_input_bytes"]
+__all__ = ["ProcessingHooks", "ServingOverrides", "TaskProcessing", "build_processing", "staged_input_bytes"]
 
 #: Where each task's processing comes from, for the message when it is not installed.
 _PROCESSING = {"detect": ("yolo", "model-router-yolo"), "classify": ("resnet", "model-router-resnet")}
+
+
+class ProcessingHooks:
+    """The hooks both engine plugins serve from their task's processing (a mixin, before
+    `ModelPlugin` in the bases): `preprocess` and `postprocess` in the engine, or in a split host's
+    front, which adopts the processing built at load (`front_state`) without loading the engine.
+    The plugin sets `_processing` at load and clears it at unload."""
+
+    context: PluginContext
+    _processing: TaskProcessing | None
+
+    def preprocess(self, payload: Payload) -> Any:
+        return self._prepared().preprocess(payload)
+
+    def postprocess(self, output: Any, item: Any) -> dict[str, Any]:
+        return self._prepared().postprocess(output, item)
+
+    def front_state(self) -> TaskProcessing:
+        """The task's pre- and post-processing, built from the export's metadata at load: the front
+        processes of a split host adopt it."""
+        return self._prepared()
+
+    def adopt_front_state(self, state: TaskProcessing) -> None:
+        self._processing = state
+
+    def _prepared(self) -> TaskProcessing:
+        """The processing of the loaded model, or the one a front adopted."""
+        if self._processing is None:
+            raise RuntimeError(f"model {self.context.model_name!r} is not loaded")
+        return self._processing
 
 
 class ServingOverrides(BaseModel):

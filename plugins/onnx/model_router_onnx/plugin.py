@@ -10,7 +10,14 @@ from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from model_router_engines import ExportMetadata, ServingOverrides, TaskProcessing, build_processing, staged_input_bytes
+from model_router_engines import (
+    ExportMetadata,
+    ProcessingHooks,
+    ServingOverrides,
+    TaskProcessing,
+    build_processing,
+    staged_input_bytes,
+)
 from pydantic import BaseModel, Field, field_validator
 
 from model_router_onnx.graph import GraphFacts, read_graph
@@ -47,7 +54,7 @@ class OnnxOptions(ServingOverrides):
         return value
 
 
-class OnnxPlugin(ModelPlugin[OnnxOptions]):
+class OnnxPlugin(ProcessingHooks, ModelPlugin[OnnxOptions]):
     """Any model exported by `model-router export`, on CPU, CUDA or the TensorRT EP."""
 
     Options: ClassVar[type[BaseModel]] = OnnxOptions
@@ -99,9 +106,6 @@ class OnnxPlugin(ModelPlugin[OnnxOptions]):
         self._facts, self._processing, self._session = facts, processing, session
         log.info("model %s: %s task on %s via %s", name, metadata.task, device, ", ".join(self.providers))
 
-    def preprocess(self, payload: Payload) -> Any:
-        return self._prepared().preprocess(payload)
-
     def predict_batch(self, items: Sequence[Any]) -> list[Any]:
         """One session run for the batch; decoding (NMS or top-k) where the output is."""
         _, processing = self._loaded()
@@ -109,17 +113,6 @@ class OnnxPlugin(ModelPlugin[OnnxOptions]):
             batch = processing.network_input(items, self.device)
             raw = self._run(batch) if self.device.type == "cpu" else self._run_bound(batch)
             return processing.decode(raw)
-
-    def postprocess(self, output: Any, item: Any) -> dict[str, Any]:
-        return self._prepared().postprocess(output, item)
-
-    def front_state(self) -> TaskProcessing:
-        """The task's pre- and post-processing, built from the graph's metadata at load: the front
-        processes of a split host adopt it."""
-        return self._prepared()
-
-    def adopt_front_state(self, state: TaskProcessing) -> None:
-        self._processing = state
 
     def describe_input(self, payload: Payload, item: Any) -> dict[str, Any]:
         size = image_size(payload.body)
@@ -185,12 +178,6 @@ class OnnxPlugin(ModelPlugin[OnnxOptions]):
         if self._facts is None or self._processing is None:
             raise RuntimeError(f"model {self.context.model_name!r} is not loaded")
         return self._facts, self._processing
-
-    def _prepared(self) -> TaskProcessing:
-        """The processing of the loaded model, or the one a front adopted."""
-        if self._processing is None:
-            raise RuntimeError(f"model {self.context.model_name!r} is not loaded")
-        return self._processing
 
 
 def _onnxruntime(model: str) -> Any:

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 from model_router_engines import (
     ExportMetadata,
+    ProcessingHooks,
     ServingOverrides,
     TaskProcessing,
     build_processing,
@@ -56,7 +57,7 @@ class TensorRTOptions(ServingOverrides):
         return value
 
 
-class TensorRTPlugin(ModelPlugin[TensorRTOptions]):
+class TensorRTPlugin(ProcessingHooks, ModelPlugin[TensorRTOptions]):
     """A TensorRT engine with one dynamic batch axis, on its own CUDA stream."""
 
     Options: ClassVar[type[BaseModel]] = TensorRTOptions
@@ -98,32 +99,12 @@ class TensorRTPlugin(ModelPlugin[TensorRTOptions]):
                         name, runner.limits.max, metadata.batch.max)
         self.metadata, self._processing, self._runner = metadata, processing, runner
 
-    def preprocess(self, payload: Payload) -> Any:
-        return self._prepared().preprocess(payload)
-
     def predict_batch(self, items: Sequence[Any]) -> list[Any]:
         """Stage the batch on the device, run the engine on the plugin's stream, decode where the output is."""
         processing, runner = self._loaded()
         with torch.inference_mode():
             raw = runner.run(processing.network_input(items, self.device))
             return processing.decode(raw)
-
-    def postprocess(self, output: Any, item: Any) -> dict[str, Any]:
-        return self._prepared().postprocess(output, item)
-
-    def front_state(self) -> TaskProcessing:
-        """The task's pre- and post-processing, built from the engine's metadata at load: the front
-        processes of a split host adopt it."""
-        return self._prepared()
-
-    def adopt_front_state(self, state: TaskProcessing) -> None:
-        self._processing = state
-
-    def _prepared(self) -> TaskProcessing:
-        """The processing of the loaded engine, or the one a front adopted."""
-        if self._processing is None:
-            raise RuntimeError(f"model {self.context.model_name!r} is not loaded")
-        return self._processing
 
     def memory_estimate(self) -> MemoryEstimate:
         """Engine plus its device memory plus the owned buffers as weights; per item the staged input and output copy."""
