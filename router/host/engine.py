@@ -236,10 +236,10 @@ class EngineServer:
             await self.runtime.until_room(self.runtime.intake.deployment(terms.model, submit.generation), terms)
             pending.accepted = self.runtime.intake.admit(terms, generation=submit.generation)
         except RouterError as exc:
-            self._answer(pending, Outgoing(submit.id, failure=Failure.of(exc)))
+            self.failed(pending, exc)
             return
         except asyncio.CancelledError:
-            self._answer(pending, Outgoing(submit.id, failure=Failure.of(ClientDisconnected("cancelled"))))
+            self.failed(pending, ClientDisconnected("cancelled"))
             return
         if not pending.accepted.deployment.serving:
             await self._cold(pending, submit, item)
@@ -272,10 +272,10 @@ class EngineServer:
                 timeout_ms=terms.timeout_ms, request_id=submit.request_id, received_at=terms.received_at,
                 wait_for_room=terms.wait_for_room, must_finish=terms.must_finish)
         except RouterError as exc:
-            self._answer(pending, Outgoing(submit.id, failure=Failure.of(exc)))
+            self.failed(pending, exc)
             return
         except asyncio.CancelledError:
-            self._answer(pending, Outgoing(submit.id, failure=Failure.of(ClientDisconnected("cancelled"))))
+            self.failed(pending, ClientDisconnected("cancelled"))
             return
         facts = BatchFacts(answer.batch_size, 0.0, answer.execution_s, answer.memory_delta_bytes, answer.queue_wait_s)
         self._answer(pending, Outgoing(submit.id, answer=self.news.encode(answer.output),
