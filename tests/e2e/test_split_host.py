@@ -338,7 +338,7 @@ def test_a_trace_joins_the_front_and_the_engine(tmp_path: Path) -> None:
     """Tracing on a split host: each request's server span and phases come from its front, the
     batch span from the engine, linked both ways, with the same checks as in one process."""
     from tests.e2e.test_tracing import FLEET as TRACED
-    from tests.e2e.test_tracing import Sent, check_batches, check_request_trace, send, server_span
+    from tests.e2e.test_tracing import Sent, check_traces, send, wait_for_traces
     from tests.otlp_receiver import receiver
 
     record = tmp_path / "batches.jsonl"
@@ -362,11 +362,6 @@ def test_a_trace_joins_the_front_and_the_engine(tmp_path: Path) -> None:
             assert sorted(sent) == ids and all(s.status == 200 for s in sent.values()), sent
             served_by = {line["role"] for rid in ids for line in server.access_lines(rid)}
         batches = [b for b in read_records(record) if set(b["ids"]) & set(ids)]  # type: ignore[arg-type]
-        spans = otlp.wait_for(lambda got: got if all(server_span(got, r) for r in ids)
-                              and len([s for s in got if s.name == "batch"]) >= len(batches) else None)
-    by_id = {rid: server_span(spans, rid) for rid in ids}
-    for rid, span in by_id.items():
-        assert span is not None
-        check_request_trace(spans, span, sent[rid], next(b for b in batches if rid in b["ids"]))  # type: ignore[operator]
-    check_batches(spans, batches, by_id)  # type: ignore[arg-type]
+        spans = wait_for_traces(otlp, ids, batches)
+    check_traces(spans, sent, batches)
     assert served_by <= {"front 1", "front 2"}  # which fronts took them is the kernel's; the checks hold for each

@@ -143,13 +143,8 @@ def test_concurrent_requests_each_have_their_phases_and_their_batch_links_them_a
     assert sum(len(b["ids"]) for b in batches) == CONCURRENT  # type: ignore[arg-type, misc]
     assert max(len(b["ids"]) for b in batches) > 1  # type: ignore[arg-type]
 
-    spans = otlp.wait_for(lambda got: got if all(server_span(got, r) for r in ids)
-                          and len([s for s in got if s.name == "batch"]) >= len(batches) else None)
-    by_id = {rid: server_span(spans, rid) for rid in ids}
-    for rid, span in by_id.items():
-        assert span is not None
-        check_request_trace(spans, span, sent[rid], next(b for b in batches if rid in b["ids"]))  # type: ignore[operator]
-    check_batches(spans, batches, by_id)  # type: ignore[arg-type]
+    spans = wait_for_traces(otlp, ids, batches)
+    by_id = check_traces(spans, sent, batches)
 
     # The client's traceparent is the parent, and the answer names the server span.
     first = by_id[ids[0]]
@@ -166,6 +161,25 @@ def test_concurrent_requests_each_have_their_phases_and_their_batch_links_them_a
         line = server.access_lines(rid)[0]
         span = by_id[rid]
         assert span is not None and line["trace_id"] == span.trace_id
+
+
+def wait_for_traces(otlp: Any, ids: list[str], batches: list[dict[str, Any]]) -> list[ReceivedSpan]:
+    """The spans received once every request's server span and every batch's span have arrived."""
+    return otlp.wait_for(lambda got: got if all(server_span(got, r) for r in ids)  # type: ignore[no-any-return]
+                         and len([s for s in got if s.name == "batch"]) >= len(batches) else None)
+
+
+def check_traces(spans: list[ReceivedSpan], sent: dict[str, Sent], batches: list[dict[str, Any]]) -> dict[str, ReceivedSpan]:
+    """Each sent request's trace against the batch it rode, then the batches' spans; the server
+    spans by request id."""
+    by_id: dict[str, ReceivedSpan] = {}
+    for rid, request in sent.items():
+        span = server_span(spans, rid)
+        assert span is not None, rid
+        check_request_trace(spans, span, request, next(b for b in batches if rid in b["ids"]))
+        by_id[rid] = span
+    check_batches(spans, batches, dict(by_id))
+    return by_id
 
 
 def check_request_trace(spans: list[ReceivedSpan], span: ReceivedSpan, sent: Sent, batch: dict[str, Any]) -> None:
