@@ -228,7 +228,7 @@ def test_a_front_refuses_a_surge_from_the_board_without_asking_the_engine(tmp_pa
                                                                timeout=30)) for _ in range(3)]
         for thread in holders:
             thread.start()
-        until(lambda: httpx.get(server.url + "/models/m").json()["queue"]["depth"] == 2, 10, what="the queue full")
+        until(lambda: httpx.get(server.url + "/models/m").json()["queue"]["depth"] == 2, what="the queue full")
 
         def submits() -> float:
             return metric_value(httpx.get(server.url + "/metrics").text, "model_router_engine_messages_total",
