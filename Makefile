@@ -60,10 +60,11 @@ $(VENV)/.serve: $(VENV)/.torch pyproject.toml plugins/yolo/pyproject.toml plugin
 	$(PIP) install --quiet -e . -e plugins/yolo -e plugins/resnet -e plugins/engines -e plugins/onnx -e plugins/tensorrt
 	touch $@
 
-# The test kit's plugins and the example plugin of docs/plugins.md, each its own distribution;
+# The test kit's plugins and the two example plugins of docs/plugins.md, each its own distribution;
 # the tracing extra, whose end-to-end test exports to a receiver in the test.
-$(VENV)/.test: $(VENV)/.serve tests/plugin_dist/pyproject.toml examples/plugin-mean-colour/pyproject.toml
-	$(PIP) install --quiet -e '.[test,tracing]' -e tests/plugin_dist -e examples/plugin-mean-colour
+$(VENV)/.test: $(VENV)/.serve tests/plugin_dist/pyproject.toml examples/plugin-mean-colour/pyproject.toml \
+		examples/plugin-tiny-cnn/pyproject.toml
+	$(PIP) install --quiet -e '.[test,tracing]' -e tests/plugin_dist -e examples/plugin-mean-colour -e examples/plugin-tiny-cnn
 	touch $@
 
 # Ray Serve for the cluster tests (the `ray` extra, an 80 MB wheel). Where it cannot be installed

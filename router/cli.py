@@ -131,6 +131,42 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plugins_check(args: argparse.Namespace) -> int:
+    """Run the plugin contract against one installed plugin; exit 1 naming the step it breaks."""
+    import mimetypes
+
+    from router.plugin_kit import ContractFailure, check_plugin
+    from router.sdk import Payload
+
+    try:
+        options = json.loads(args.options)
+    except json.JSONDecodeError as exc:
+        print(f"model-router: --options is a JSON object, got {args.options!r} ({exc})", file=sys.stderr)
+        return 2
+    if not isinstance(options, dict):
+        print(f"model-router: --options is a JSON object, got {args.options!r}", file=sys.stderr)
+        return 2
+    inputs = None
+    if args.inputs:
+        missing = [path for path in args.inputs if not path.is_file()]
+        if missing:
+            print(f"model-router: --input names no file: {', '.join(map(str, missing))}", file=sys.stderr)
+            return 2
+        inputs = [Payload(path.read_bytes(), mimetypes.guess_type(path.name)[0] or "application/octet-stream", path.name)
+                  for path in args.inputs]
+    try:
+        report = check_plugin(args.name, options=options, inputs=inputs, store=args.store, device=args.device,
+                              refuses=args.refuses)
+    except ContractFailure as exc:
+        print(f"model-router: {exc}", file=sys.stderr)
+        return 1
+    for line in report.steps:
+        print(f"ok\t{line}")
+    outcome = "refuses it as expected, naming the model" if report.refusal else "keeps the contract"
+    print(f"model-router: plugin {args.name!r} on {args.device}: {outcome} ({len(report.steps)} checks)", file=sys.stderr)
+    return 0
+
+
 def cmd_store_init_demo(args: argparse.Namespace) -> int:
     from router.store import DemoStoreError, init_demo
 
@@ -255,6 +291,20 @@ def parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list installed plugins, transforms, exporters and demo files "
                                              "(exit 1 if any is broken)")
     plugins.set_defaults(func=cmd_plugins)
+    plugins_sub = plugins.add_subparsers(dest="plugins_command")
+    check_one = plugins_sub.add_parser("check", help="run the plugin contract against one installed plugin "
+                                                     "(docs/plugins.md, \"Check your plugin\"); exit 1 if it breaks it")
+    check_one.add_argument("name", help="the plugin's entry-point name")
+    check_one.add_argument("--options", default="{}", help="the model's options: as a JSON object (default {})")
+    check_one.add_argument("--store", type=Path, default=Path("model_store"),
+                           help="the model store the options name files in (default model_store)")
+    check_one.add_argument("--input", dest="inputs", type=Path, action="append",
+                           help="an input file, each different (repeat it); default: three generated photos if the "
+                                "plugin accepts JPEG, else its example payload")
+    check_one.add_argument("--device", default="cpu", help="the device to load on: cpu or cuda:N (default cpu)")
+    check_one.add_argument("--refuses", action="store_true",
+                           help="the plugin is expected to refuse the device, with an error naming the model")
+    check_one.set_defaults(func=cmd_plugins_check)
     store = sub.add_parser("store", help="model store tasks")
     store_sub = store.add_subparsers(dest="store_command", required=True)
     demo = store_sub.add_parser("init-demo", help="build the demo weights (untrained) into the model store")
