@@ -89,7 +89,7 @@ class _Check:
     def run(self, given: Sequence[Payload] | None, refuses: bool, front_process: bool) -> ContractReport:
         cls = self.plugin_class()
         options = self.resolved_options()
-        plugin: ModelPlugin[Any] = cls(options, PluginContext(MODEL, self.store))
+        plugin: ModelPlugin[Any] = self.step("the constructor", lambda: cls(options, PluginContext(MODEL, self.store)))
         if not self.loaded(plugin, refuses):
             return self.report
         try:
@@ -142,7 +142,7 @@ class _Check:
         return options
 
     def inputs(self, cls: type[ModelPlugin[Any]], plugin: ModelPlugin[Any], given: Sequence[Payload] | None) -> list[Payload]:
-        inputs = list(given) if given is not None else sample_inputs(cls, plugin)
+        inputs = list(given) if given is not None else self.step("example_payload()", lambda: sample_inputs(cls, plugin))
         if not inputs:
             raise self.fail("the inputs", f"none given, and none can be made for accepts={cls.accepts}: "
                                           "give inputs (--input FILE) or an example_payload()")
@@ -173,7 +173,7 @@ class _Check:
         return True
 
     def memory_estimate(self, plugin: ModelPlugin[Any]) -> None:
-        estimate = plugin.memory_estimate()
+        estimate = self.step("memory_estimate()", plugin.memory_estimate)
         if not isinstance(estimate, MemoryEstimate):
             raise self.fail("memory_estimate()", f"returns {estimate!r}, not a MemoryEstimate")
         figures = {"weights_bytes": estimate.weights_bytes, "per_item_bytes": estimate.per_item_bytes,
@@ -186,7 +186,7 @@ class _Check:
         self.passed(f"memory_estimate(): {figures}")
 
     def warmup(self, cls: type[ModelPlugin[Any]], plugin: ModelPlugin[Any]) -> None:
-        example = plugin.example_payload()
+        example = self.step("example_payload()", plugin.example_payload)
         if example is None:
             self.passed("warm-up: no example_payload(), nothing to warm up with")
             return
