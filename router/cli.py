@@ -63,7 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     threads = count_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
     apply_threads(threads)
     runtime = Runtime(plan, cpu_workers=threads.cpu_workers, tracing=tracing)
-    shared_memory = SharedMemoryRegistry(settings.shared_memory)
+    shared_memory = SharedMemoryRegistry.from_settings(settings)
     pipelines = PipelineRunner(runtime)  # one runner for every front of this process: HTTP and gRPC
     listeners: list[Listener] = []
     if settings.grpc_port:

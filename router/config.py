@@ -517,6 +517,16 @@ class ServerSettings(BaseSettings):
                                                                      "past that the stream is not read (back-pressure)")
     shared_memory: Literal["loopback", "any", "off"] = Field(
         "loopback", description="who may use V2 system shared memory: clients on this host, any client, or none")
+    shared_memory_register: Literal["admin", "inference"] = Field(
+        "admin", description="with keys set, which keys may register shared memory regions: admin keys, or inference keys too")
+    shared_memory_prefix: str = Field("", max_length=200, pattern=r"^[!-.0-~]*$",
+                                      description="every shared memory object's name must start with this (no '/')")
+    shared_memory_owner_uid: Literal["server", "any"] | int = Field(
+        "server", description="the uid that must own a shared memory object: the server's own, any, or this uid")
+    proxy_headers: bool = Field(False, description="take the client's address from X-Forwarded-For when the "
+                                                   "connection comes from forwarded_allow_ips (behind a proxy)")
+    forwarded_allow_ips: str = Field("127.0.0.1", min_length=1,
+                                     description="comma-separated proxy addresses (or networks) trusted for X-Forwarded-For")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "text"] = Field("auto", description="auto: text on a terminal, else JSON lines")
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024)
@@ -550,6 +560,15 @@ class ServerSettings(BaseSettings):
         if isinstance(value, int) and not 1 <= value <= 256:
             raise ValueError(f"workers must be from 1 to 256 or auto, got {value}")
         return value
+
+    @field_validator("shared_memory_owner_uid", mode="before")
+    @classmethod
+    def _a_uid(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value)
+        if value in ("server", "any") or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError("must be server, any or a uid (an integer >= 0)")
 
     def front_count(self, cores: int) -> int:
         """How many front processes serve (1: the single process)."""
