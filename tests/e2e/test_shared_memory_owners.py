@@ -184,3 +184,30 @@ def test_proxy_headers_are_read_only_where_the_setting_turns_them_on(
             httpx.post(f"{server.url}/v2/systemsharedmemory/unregister", timeout=30).raise_for_status()
         standard = register_over_http(server, key, {"forwarded": "for=10.1.2.3"})
         assert standard.status_code == 200, standard.text
+
+
+def test_on_a_split_host_a_region_is_its_owners_only_through_every_front(tmp_path: Path, objects: list[Any]) -> None:
+    """Two fronts share one table of regions: key B's status and unregister-all, on fresh connections
+    the kernel spreads over both fronts, neither see nor remove key A's region, which A still reads."""
+    from tests.e2e.test_split_host import fleet, serve_split, until
+
+    handle, key = new_object(objects, 64)
+    shm.set_shared_memory_region(handle, [np.array(DOCUMENT, dtype=np.object_)])
+    with serve_split(tmp_path, fleet(name="echo"), env={**KEYS, "MODEL_ROUTER_LOG_FORMAT": "json"}) as server:
+        client(server, "http").register_system_shared_memory("in", key, 64, headers=bearer(ADMIN_A))
+        for i in range(8):
+            protocol = PROTOCOLS[i % 2]
+            other = client(server, protocol)  # a new connection each time
+            assert listed(other.get_system_shared_memory_status(headers=bearer(ADMIN_B)), protocol) == []
+            other.unregister_system_shared_memory(headers=bearer(ADMIN_B))
+
+        def fronts_asked() -> set[str]:
+            return {str(r["role"]) for r in server.log_records()
+                    if r["message"] == "request" and "systemsharedmemory" in str(r.get("path", ""))}
+
+        until(lambda: fronts_asked() == {"front 1", "front 2"}, what=f"both fronts answering (so far: {fronts_asked()})")
+        for protocol in PROTOCOLS:
+            owner = client(server, protocol)
+            assert listed(owner.get_system_shared_memory_status(headers=bearer(ADMIN_A)), protocol) == ["in"]
+            result = owner.infer("echo", [json_input(protocol, "in")], headers=bearer(ADMIN_A))
+            assert [json.loads(e)["id"] for e in result.as_numpy("OUTPUT")] == ["secret"]
