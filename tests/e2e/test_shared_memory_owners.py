@@ -44,15 +44,6 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
         yield process
 
 
-@pytest.fixture
-def objects() -> Iterator[list[Any]]:
-    """Shared memory objects a test creates, destroyed afterwards."""
-    made: list[Any] = []
-    yield made
-    for handle in made:
-        shm.destroy_shared_memory_region(handle)
-
-
 def new_object(made: list[Any], size: int, prefix: str = "model-router-test-") -> tuple[Any, str]:
     key = f"/{prefix}{uuid.uuid4().hex}"
     handle = shm.create_shared_memory_region(key, key, size)
@@ -72,10 +63,10 @@ def json_input(protocol: str, region: str) -> Any:
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_an_inference_key_cannot_register_by_default_an_admin_key_can(
-    keyed: RouterProcess, protocol: str, objects: list[Any],
+    keyed: RouterProcess, protocol: str, regions: list[Any],
 ) -> None:
     triton = client(keyed, protocol)
-    _, key = new_object(objects, 64)
+    _, key = new_object(regions, 64)
     refused = error_of(lambda: triton.register_system_shared_memory("r", key, 64, headers=bearer(USER)))
     assert refused.status() == FORBIDDEN[protocol] and "needs an admin key" in refused.message(), refused.message()
     assert listed(triton.get_system_shared_memory_status(headers=bearer(USER)), protocol) == []
@@ -88,14 +79,14 @@ def test_an_inference_key_cannot_register_by_default_an_admin_key_can(
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_a_region_is_seen_used_and_unregistered_by_its_own_key_only(
-    keyed: RouterProcess, protocol: str, objects: list[Any],
+    keyed: RouterProcess, protocol: str, regions: list[Any],
 ) -> None:
     """Key B (another admin key; the inference key too) does not see A's regions in status, cannot
     read A's input region or write A's output region by name, and B's unregister-all leaves A's."""
     triton, tc = client(keyed, protocol), module(protocol)
-    handle, key = new_object(objects, 64)
+    handle, key = new_object(regions, 64)
     shm.set_shared_memory_region(handle, [np.array(DOCUMENT, dtype=np.object_)])
-    out_handle, out_key = new_object(objects, 256)
+    out_handle, out_key = new_object(regions, 256)
     a = bearer(ADMIN_A)
     triton.register_system_shared_memory("in", key, 64, headers=a)
     triton.register_system_shared_memory("out", out_key, 256, headers=a)
@@ -128,7 +119,7 @@ def test_a_region_is_seen_used_and_unregistered_by_its_own_key_only(
     assert listed(triton.get_system_shared_memory_status(headers=a), protocol) == []
 
 
-def test_objects_outside_the_prefix_or_owned_by_another_uid_are_refused(tmp_path: Path, objects: list[Any]) -> None:
+def test_objects_outside_the_prefix_or_owned_by_another_uid_are_refused(tmp_path: Path, regions: list[Any]) -> None:
     """With inference keys allowed to register and a name prefix set: an object outside the prefix
     is refused, and one another uid owns (root makes one here; else the uid setting names another)."""
     prefix = "model-router-ok-"
@@ -140,12 +131,12 @@ def test_objects_outside_the_prefix_or_owned_by_another_uid_are_refused(tmp_path
     with serve(tmp_path, FLEET, env=env) as server:
         for protocol in PROTOCOLS:
             triton = client(server, protocol)
-            _, outside = new_object(objects, 64)
+            _, outside = new_object(regions, 64)
             refused = error_of(lambda triton=triton, outside=outside: triton.register_system_shared_memory("r", outside, 64,
                                                                                          headers=bearer(USER)))
             assert refused.status() == FORBIDDEN[protocol]
             assert f"only objects whose name starts with '{prefix}'" in refused.message(), refused.message()
-            _, foreign = new_object(objects, 64, prefix)
+            _, foreign = new_object(regions, 64, prefix)
             if root:
                 os.chown(f"/dev/shm{foreign}", 4242, -1)
             owner = 4242 if root else os.geteuid()
@@ -154,7 +145,7 @@ def test_objects_outside_the_prefix_or_owned_by_another_uid_are_refused(tmp_path
             assert refused.status() == FORBIDDEN[protocol]
             assert f"is owned by uid {owner}; this server uses only objects owned by uid" in refused.message()
             if root:  # one the server's uid owns is taken, from an inference key
-                _, own = new_object(objects, 64, prefix)
+                _, own = new_object(regions, 64, prefix)
                 triton.register_system_shared_memory("r", own, 64, headers=bearer(USER))
                 assert listed(triton.get_system_shared_memory_status(headers=bearer(USER)), protocol) == ["r"]
                 triton.unregister_system_shared_memory(headers=bearer(USER))
@@ -167,13 +158,13 @@ def register_over_http(server: RouterProcess, key: str, headers: dict[str, str])
 
 @pytest.mark.parametrize("trusted", [False, True])
 def test_proxy_headers_are_read_only_where_the_setting_turns_them_on(
-    tmp_path: Path, objects: list[Any], trusted: bool,
+    tmp_path: Path, regions: list[Any], trusted: bool,
 ) -> None:
     """By default a client on 127.0.0.1 that sends X-Forwarded-For: 10.1.2.3 is the loopback peer it
     is; with MODEL_ROUTER_PROXY_HEADERS on (the proxy: 127.0.0.1), it is 10.1.2.3, and refused.
     `Forwarded` (RFC 7239) is never read. The address is only a header's string: no traffic leaves."""
     env = {"MODEL_ROUTER_PROXY_HEADERS": "true"} if trusted else {}
-    _, key = new_object(objects, 8)
+    _, key = new_object(regions, 8)
     with serve(tmp_path, FLEET, env=env) as server:
         forwarded = register_over_http(server, key, {"x-forwarded-for": "10.1.2.3"})
         if trusted:
@@ -186,12 +177,12 @@ def test_proxy_headers_are_read_only_where_the_setting_turns_them_on(
         assert standard.status_code == 200, standard.text
 
 
-def test_on_a_split_host_a_region_is_its_owners_only_through_every_front(tmp_path: Path, objects: list[Any]) -> None:
+def test_on_a_split_host_a_region_is_its_owners_only_through_every_front(tmp_path: Path, regions: list[Any]) -> None:
     """Two fronts share one table of regions: key B's status and unregister-all, on fresh connections
     the kernel spreads over both fronts, neither see nor remove key A's region, which A still reads."""
     from tests.e2e.test_split_host import fleet, serve_split, until
 
-    handle, key = new_object(objects, 64)
+    handle, key = new_object(regions, 64)
     shm.set_shared_memory_region(handle, [np.array(DOCUMENT, dtype=np.object_)])
     with serve_split(tmp_path, fleet(name="echo"), env={**KEYS, "MODEL_ROUTER_LOG_FORMAT": "json"}) as server:
         client(server, "http").register_system_shared_memory("in", key, 64, headers=bearer(ADMIN_A))
