@@ -531,6 +531,11 @@ class ServerSettings(BaseSettings):
     log_format: Literal["auto", "json", "text"] = Field("auto", description="auto: text on a terminal, else JSON lines")
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024)
     drain_timeout_s: float = Field(30.0, ge=0)
+    # A split host's watchdog over its engine (router.host.board: the engine publishes every 100 ms at least).
+    engine_stale_s: float = Field(3.0, gt=0, le=3600, description="a split host's fronts take an engine silent this "
+                                  "long as hung: every request 503, not ready, until it publishes again")
+    engine_hang_s: float = Field(30.0, ge=0, le=86400, description="the parent kills and restarts an engine silent "
+                                 "this long, as a liveness probe would; 0: never")
     cpu_workers: int = Field(0, ge=0, le=1024, description="preprocessing threads; 0 = number of CPU cores")
     torch_threads: int = Field(0, ge=0, le=1024, description="torch intra-op threads; 0 = number of CPU cores")
     api_keys: str | None = Field(None, description="comma-separated bearer keys for inference routes")
@@ -578,6 +583,13 @@ class ServerSettings(BaseSettings):
     def _ports_differ(self) -> ServerSettings:
         if self.grpc_port and self.grpc_port == self.port:
             raise ValueError(f"grpc_port {self.grpc_port} is the HTTP port too; give gRPC another port, or 0 to turn it off")
+        return self
+
+    @model_validator(mode="after")
+    def _hang_after_stale(self) -> ServerSettings:
+        if self.engine_hang_s and self.engine_hang_s <= self.engine_stale_s:
+            raise ValueError(f"engine_hang_s {self.engine_hang_s} must be longer than engine_stale_s "
+                             f"{self.engine_stale_s} (the fronts stop trusting the engine first), or 0 to never restart it")
         return self
 
 

@@ -19,6 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from router.errors import EngineUnavailable
+
 if TYPE_CHECKING:
     from router.serving.facade import ServingFacade
 
@@ -218,7 +220,11 @@ class _StateCollector(Collector):
         resident = GaugeMetricFamily("model_router_model_resident_bytes",
                                      "Weights an instance holds on its device (0 when not loaded).",
                                      labels=["model", "device"])
-        for model in runtime.models():
+        try:
+            models = runtime.models()
+        except EngineUnavailable:  # a split host's engine away or hung: the fronts' own counters still show
+            models = []
+        for model in models:
             depth.add_metric([model.name], model.queue_depth)
             capacity.add_metric([model.name], model.queue_capacity)
             state.add_metric([model.name, model.state], 1)

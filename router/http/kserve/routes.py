@@ -68,7 +68,10 @@ async def server_live() -> Response[bytes]:
 @get("/health/ready", summary="V2 readiness: 200 once every required model serves, 400 before and while draining",
      opt={"access": Access.HEALTH})
 async def server_ready(request: Request[Any, Any, Any]) -> Response[bytes]:
-    return _status(runtime_of(request).ready)
+    runtime = runtime_of(request)
+    if not runtime.ready:
+        runtime.models()  # a split host's engine away or hung: its 503 with Retry-After, as on every route
+    return _status(runtime.ready)
 
 
 @get(["/models/{name:str}", "/models/{name:str}/versions/{version:str}"], summary="V2 model metadata")
