@@ -11,13 +11,13 @@ from litestar import MediaType, Request, Response, get, post
 from litestar.params import FromPath
 
 from router.errors import InputError, brief
-from router.http.kserve.bounded_json import loads_bounded
 from router.inference_protocol.shared_memory import (
     ClientRegions,
     RegionStatus,
     SharedMemoryRegistry,
     refuse_cuda,
 )
+from router.sdk.bounded_json import loads_bounded
 
 __all__ = ["SHARED_MEMORY_ROUTES", "client_regions", "registry_of"]
 
