@@ -51,9 +51,10 @@ SERVER_ERROR_CODES: Final = frozenset({"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEM
 
 
 #: The most a caller's trace context field may hold, in characters (latin-1: one a byte), and in
-#: list-members: W3C Trace Context (tracestate: 512 characters propagated, 32 members) and W3C
-#: Baggage (8,192 bytes, 64 members). A longer field is dropped whole; so is any other
-#: propagator's (OTEL_PROPAGATORS: b3, jaeger) over `OTHER_FIELD_CHARS`.
+#: list-members: W3C Trace Context (one traceparent of at most 512 characters, as OpenTelemetry's;
+#: tracestate: 512 characters propagated, 32 members) and W3C Baggage (8,192 bytes, 64 members).
+#: A longer field is dropped whole; so is any other propagator's (OTEL_PROPAGATORS: b3, jaeger)
+#: over `OTHER_FIELD_CHARS`.
 FIELD_BOUNDS: Final = {"traceparent": (512, 1), "tracestate": (512, 32), "baggage": (8192, 64)}
 OTHER_FIELD_CHARS: Final = 512
 #: The loggers the standard propagators warn on while they read a caller's context.
@@ -65,7 +66,8 @@ _reading_caller: contextvars.ContextVar[bool] = contextvars.ContextVar("reading_
 
 def trace_context(fields: Iterable[tuple[str, str]], wanted: frozenset[str]) -> dict[str, list[str]]:
     """The `wanted` fields (what the propagators read) of a caller's headers or metadata, each
-    within `FIELD_BOUNDS`: the values of a field joined as one list (`, `), or left out."""
+    within `FIELD_BOUNDS` (several values of one field counted as one list, joined by `, `), or
+    left out."""
     found: dict[str, list[str]] = {}
     for name, value in fields:
         if name in wanted:
