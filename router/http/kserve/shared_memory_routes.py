@@ -12,7 +12,6 @@ from litestar.params import FromPath
 
 from router.access import AccessPolicy
 from router.errors import InputError, brief
-from router.http.kserve.bounded_json import loads_bounded
 from router.inference_protocol.shared_memory import (
     Caller,
     ClientRegions,
@@ -20,6 +19,7 @@ from router.inference_protocol.shared_memory import (
     SharedMemoryRegistry,
     refuse_cuda,
 )
+from router.sdk.bounded_json import loads_bounded
 
 __all__ = ["SHARED_MEMORY_ROUTES", "client_regions", "registry_of"]
 
