@@ -1,4 +1,4 @@
-"""The wheelhouse that travels to a lent GPU machine: every wheel the GPU check needs that the machine lacks.
+"""The wheelhouse for a GPU host without index access: every wheel the GPU check needs that its image lacks.
 
     python -m gpu_check.wheelhouse [--python 3.12] [--out .whl] [--limit-mib 60]
 
@@ -7,8 +7,8 @@ carry the versions the test suite runs with), from the router, its plugins and w
 with markers evaluated for the target Python on x86-64 Linux. What the machine already holds
 (device_packages.txt) stays behind; so do the few packages the check can do without (LEFT_OUT). The
 router's own projects are built here; the rest is downloaded as CPython wheels for manylinux x86-64.
-It prints the total and fails above the limit, naming the largest wheels: everything that travels to
-the machine, the working tree included, must stay under 64 MiB.
+It prints the total and fails above the limit (60 MiB unless --limit-mib says otherwise), naming the
+largest wheels.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from packaging.utils import canonicalize_name
 __all__ = ["LEFT_OUT", "PROVIDED_BY", "Plan", "build", "device_packages", "plan", "size_verdict", "walk"]
 
 REPO = Path(__file__).resolve().parents[1]
-DEVICE_PYTHON = "3.12"  # the lent machine's python3 is 3.12.3
+DEVICE_PYTHON = "3.12"  # the python3 of the image in device_packages.txt (3.12.3)
 DEFAULT_LIMIT_MIB = 60
 MiB = 2**20
 
