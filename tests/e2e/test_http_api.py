@@ -106,7 +106,7 @@ def test_models_listing_and_detail(server: RouterProcess) -> None:
     models = httpx.get(server.url + "/models").json()["models"]
     assert {m["name"] for m in models} == {"toy", "echo", "tiny"}
     toy = httpx.get(server.url + "/models/toy").json()
-    assert toy["state"] == "ready" and toy["plugin"]["distribution"] == "model-router-testkit"
+    assert toy["state"] == "ready" and toy["plugin"]["distribution"] == "vision-model-router-testkit"
     assert toy["queue"]["capacity"] == 64 and toy["batch"]["max_size"] == 4
     assert toy["memory"]["weights_bytes"] > 0 and toy["memory"]["source"] == "estimate"
     assert httpx.get(server.url + "/models/nope").status_code == 404
