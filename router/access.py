@@ -7,6 +7,7 @@ Every presented key is compared with every configured key in constant time.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from dataclasses import dataclass
 from enum import Enum
@@ -15,7 +16,7 @@ from pathlib import Path
 from router.config import ServerSettings
 from router.errors import ConfigError, Forbidden, Unauthorized, clip
 
-__all__ = ["Access", "AccessPolicy", "policy_from_settings", "read_keys"]
+__all__ = ["Access", "AccessPolicy", "KeyHolder", "policy_from_settings", "read_keys"]
 
 
 class Access(str, Enum):
@@ -56,6 +57,15 @@ def read_keys(inline: str | None, file: Path | None, name: str) -> tuple[bytes, 
         if len(key) < 16:
             raise ConfigError(f"{name}: every key must be at least 16 characters, got one of {len(key)}")
     return tuple(k.encode("ascii") for k in keys)
+
+
+@dataclass(frozen=True)
+class KeyHolder:
+    """Who presented a key, for what belongs to a key (shared memory regions): `id` names the key
+    without holding it (its SHA-256), '' with no keys set; `admin`: an admin key, or no keys set."""
+
+    id: str
+    admin: bool
 
 
 @dataclass(frozen=True)
@@ -106,6 +116,17 @@ class AccessPolicy:
             raise Unauthorized("an admin key is required: send 'Authorization: Bearer <key>'")
         if not (is_admin or _matches(presented, self.predict_keys)):
             raise Unauthorized("a valid API key is required: send 'Authorization: Bearer <key>'")
+
+
+    def holder(self, authorization: str | None) -> KeyHolder:
+        """The holder of the presented key; Unauthorized (401) for a key that is not one of them."""
+        if not self.enabled:
+            return KeyHolder("", admin=True)
+        presented = _bearer(authorization)
+        admin = _matches(presented, self.admin_keys)
+        if not (admin or _matches(presented, self.predict_keys)):
+            raise Unauthorized("a valid API key is required: send 'Authorization: Bearer <key>'")
+        return KeyHolder(hashlib.sha256(presented).hexdigest(), admin)
 
 
 def _bearer(header: str | None) -> bytes:

@@ -10,7 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from router.config import ServerSettings, load_settings
+from router.config import ServerSettings, config_error, load_settings
 from router.errors import ConfigError
 from router.http.auth import AccessPolicy, policy_from_settings
 from router.serving.plan import FleetPlan, load_plan
@@ -21,6 +21,9 @@ from router.tracing import tracing_from_environment
 __all__ = ["main"]
 
 log = logging.getLogger("router.cli")
+
+MISSING_FILES_HINT = ("model-router: put the files in the model store, or build the demo weights (yolov8n.pt, resnet18.pt) "
+                      "with `model-router store init-demo --store DIR`")
 
 
 def prepare(args: argparse.Namespace) -> tuple[ServerSettings, FleetPlan, AccessPolicy]:
@@ -63,7 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     threads = count_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
     apply_threads(threads)
     runtime = Runtime(plan, cpu_workers=threads.cpu_workers, tracing=tracing)
-    shared_memory = SharedMemoryRegistry(settings.shared_memory)
+    shared_memory = SharedMemoryRegistry.from_settings(settings)
     pipelines = PipelineRunner(runtime)  # one runner for every front of this process: HTTP and gRPC
     listeners: list[Listener] = []
     if settings.grpc_port:
@@ -91,6 +94,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     if tracing is not None:
         print(f"model-router: tracing: {tracing.describe()}", file=sys.stderr)
         tracing.shutdown()
+    if missing := [line for model in plan.models.values() for line in model.missing_files(plan.source)]:
+        print(f"model-router: {config_error(plan.source, missing)}\n{MISSING_FILES_HINT}", file=sys.stderr)
+        return 2
     print(json.dumps(plan.describe(), indent=2))
     pipelines = f", {len(plan.pipelines)} pipeline(s)" if plan.pipelines else ""
     print(f"model-router: {plan.source} is valid: {len(plan.models)} model(s){pipelines} on "
@@ -236,11 +242,12 @@ def cmd_reload(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    """Deploy a fleet onto a running Ray cluster, show it, or take it down (needs model-router[ray])."""
+    """Deploy a fleet onto a running Ray cluster, show it, or take it down (needs the ray extra: pip install -e '.[ray]')."""
     try:
         from router.cluster import commands
     except ImportError as exc:
-        print(f"model-router: cluster needs Ray Serve: pip install 'model-router[ray]' ({exc})", file=sys.stderr)
+        print(f"model-router: cluster needs Ray Serve, the ray extra: pip install -e '.[ray]' in a checkout, or "
+              f"pip install --find-links dist 'vision-model-router[ray]' from built wheels ({exc})", file=sys.stderr)
         return 2
     try:
         if args.cluster_command == "deploy":
@@ -324,7 +331,7 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("--out", type=Path, help="path of the first file written (default: MODEL_STORE/MODEL.onnx); "
                                                  "an engine goes beside the ONNX file")
     export.set_defaults(func=cmd_export)
-    cluster = sub.add_parser("cluster", help="scale out on a Ray cluster: deploy, status, shutdown (model-router[ray])")
+    cluster = sub.add_parser("cluster", help="scale out on a Ray cluster: deploy, status, shutdown (the ray extra)")
     cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
     deploy = cluster_sub.add_parser("deploy", help="deploy a fleet file with a cluster: section onto Ray Serve")
     deploy.add_argument("--config", type=Path, default=Path(os.environ.get("MODEL_ROUTER_CONFIG", "config/fleet.yaml")))

@@ -73,7 +73,7 @@ def grpc_server(runtime: ServingFacade, settings: ServerSettings, policy: Access
     """The gRPC endpoint the settings ask for (`grpc_port`; the caller skips it for 0). `pipelines`:
     the runner the HTTP app serves pipelines with (one per process: its counters are the pipelines');
     `tracing`: spans for calls, as the app's for requests."""
-    inference = Inference(runtime, pipelines, shared_memory, max_message_bytes=settings.max_body_bytes,
+    inference = Inference(runtime, pipelines, shared_memory, policy, max_message_bytes=settings.max_body_bytes,
                           max_items=settings.max_items, frames_in_flight=settings.grpc_stream_frames, tracing=tracing)
     service = InferenceService(runtime, pipelines, inference, shared_memory, policy, tracing)
     return GrpcServer(service, ReadinessHealth(runtime, pipelines, policy, SERVICE_NAME), host=settings.host,

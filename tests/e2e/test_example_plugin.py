@@ -87,7 +87,7 @@ def test_it_answers_the_mean_colour(server: RouterProcess) -> None:
     assert photo.status_code == 200 and photo.json()["result"]["image"] == {"width": 640, "height": 480}
     described = httpx.get(f"{server.url}/models/colour").json()
     assert described["state"] == "ready"
-    assert described["plugin"]["distribution"] == "model-router-example-mean-colour"
+    assert described["plugin"]["distribution"] == "vision-model-router-example-mean-colour"
 
 
 def test_concurrent_requests_share_batches_and_each_gets_its_own_answer(server: RouterProcess) -> None:

@@ -78,7 +78,7 @@ def shipped_here(module: str) -> bool:
     return any(origin and Path(origin).resolve().is_relative_to(REPO) for origin in origins)
 
 
-SHIPPED = sorted(point.name for point in entry_points(group="model_router.plugins") if shipped_here(point.module))
+SHIPPED = sorted({point.name for point in entry_points(group="model_router.plugins") if shipped_here(point.module)})
 
 
 def test_every_bundled_plugin_is_installed_and_covered() -> None:
