@@ -44,7 +44,9 @@ def listens(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=HANG_S):
             return True
-    except ConnectionRefusedError:
+    except TimeoutError:
+        raise
+    except OSError:  # refused, or no such address here (a host without IPv6)
         return False
 
 
@@ -73,22 +75,22 @@ def test_flags_win_over_the_environment_in_every_process(tmp_path: Path, workers
     env_port, env_grpc, port, grpc_port = free_port(), free_port(), free_port(), free_port()
     env_fleet = tmp_path / "env.yaml"
     env_fleet.write_text(fleet("from_env"), encoding="utf-8")
-    env = {"MODEL_ROUTER_CONFIG": str(env_fleet), "MODEL_ROUTER_PORT": str(env_port),
+    env = {"MODEL_ROUTER_HOST": "::1", "MODEL_ROUTER_CONFIG": str(env_fleet), "MODEL_ROUTER_PORT": str(env_port),
            "MODEL_ROUTER_GRPC_PORT": str(env_grpc), "MODEL_ROUTER_WORKERS": OTHER[workers],
            "MODEL_ROUTER_MAX_BODY_BYTES": str(LIMIT), "MODEL_ROUTER_MAX_HEADERS": str(HEADERS)}
-    args = ["--config", str(tmp_path / "fleet.yaml"), "--host", "::1", "--port", str(port), "--grpc-port",
+    args = ["--config", str(tmp_path / "fleet.yaml"), "--host", "127.0.0.1", "--port", str(port), "--grpc-port",
             str(grpc_port), "--workers", workers]
     with serve(tmp_path, fleet("flagged"), env=env, args=args) as server:
-        assert server.url == f"http://[::1]:{port}"
+        assert server.url == f"http://127.0.0.1:{port}"
         assert [m["name"] for m in httpx.get(f"{server.url}/models", timeout=HANG_S).json()["models"]] == ["flagged"]
-        for host, taken in (("127.0.0.1", port), ("127.0.0.1", grpc_port), ("127.0.0.1", env_port), ("::1", env_port),
+        for host, taken in (("::1", port), ("::1", grpc_port), ("127.0.0.1", env_port), ("::1", env_port),
                             ("127.0.0.1", env_grpc), ("::1", env_grpc)):
             assert not listens(host, taken), f"{host}:{taken} listens"
         client = grpcclient.InferenceServerClient(server.grpc_address)
         assert client.is_server_ready(client_timeout=HANG_S) and client.is_model_ready("flagged", client_timeout=HANG_S)
         assert fronts(server) == ({"front 1", "front 2"} if workers == "2" else set())
         until(lambda: len(grpc_lines(server)) == int(workers), what="every front's gRPC server logged")
-        assert set(grpc_lines(server)) == {f"serving gRPC on [::1]:{grpc_port}"}
+        assert set(grpc_lines(server)) == {f"serving gRPC on 127.0.0.1:{grpc_port}"}
         # the limits, in every front and on both protocols
         headers = {f"x-h{i}": "v" for i in range(HEADERS + 5)}
         assert httpx.get(f"{server.url}/health/live", headers=headers, timeout=HANG_S).status_code == 431
