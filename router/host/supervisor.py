@@ -8,6 +8,10 @@
 - The engine that dies is started again the same way, and loads the fleet file anew; meanwhile
   every front answers 503 with Retry-After. Five engine deaths within a minute are a crash loop:
   everything is stopped and the parent exits 1, for the orchestrator to see.
+- A child that exits with status 2 refused its configuration (the engine checks the fleet file and
+  its plugins' options, every child the settings): a restart cannot mend that, so everything is
+  stopped and the parent exits 2, as `serve` with one process does before its port opens. The
+  parent itself loads no plugin and imports neither torch nor the web framework: it supervises.
 - The watchdog: the parent creates each engine's board and reads its heartbeat there. An engine
   that has published nothing for `engine_hang_s` (stopped, or its event loop stuck) is killed, with
   one `engine_hung` log line saying why, and restarted as one that died: what an orchestrator's
@@ -40,10 +44,12 @@ from router.config import ServerSettings
 from router.host.board import BoardReader, create_board, silent_s
 from router.host.titles import set_title
 
-__all__ = ["ENGINE_DEATHS_LIMIT", "Child", "Supervisor", "restart_delay"]
+__all__ = ["CONFIG_REFUSED", "ENGINE_DEATHS_LIMIT", "Child", "Supervisor", "restart_delay"]
 
 log = logging.getLogger("router.host.supervisor")
 ENGINE_DEATHS_LIMIT = 5
+#: The exit status of a child that refused its configuration (a ConfigError at start).
+CONFIG_REFUSED = 2
 ENGINE_DEATHS_WINDOW_S = 60.0
 POLL_S = 0.05
 FIRST_RESTART_S = 0.5
@@ -177,8 +183,11 @@ class Supervisor:
                     engine.send_signal(signal.SIGHUP)
             now = time.monotonic()
             for child in self.children:
-                if self._check(child, now, env) == "crash loop":
+                outcome = self._check(child, now, env)
+                if outcome == "crash loop":
                     return 1
+                if outcome == "refused":
+                    return CONFIG_REFUSED
             time.sleep(POLL_S)
         return 0
 
@@ -199,6 +208,9 @@ class Supervisor:
         while child.death_times and now - child.death_times[0] > ENGINE_DEATHS_WINDOW_S:
             child.death_times.popleft()
         log.error("%s (pid %d) exited with status %s", child.role, process.pid, process.returncode)
+        if process.returncode == CONFIG_REFUSED:
+            log.critical("%s refused its configuration (its error is above): stopping the server", child.role)
+            return "refused"
         if child.role == "engine" and len(child.death_times) >= ENGINE_DEATHS_LIMIT:
             log.critical("the engine died %d times within %.0f s: stopping the server", len(child.death_times),
                          ENGINE_DEATHS_WINDOW_S)
