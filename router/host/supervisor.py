@@ -8,10 +8,11 @@
 - The engine that dies is started again the same way, and loads the fleet file anew; meanwhile
   every front answers 503 with Retry-After. Five engine deaths within a minute are a crash loop:
   everything is stopped and the parent exits 1, for the orchestrator to see.
-- A child that exits with status 2 refused its configuration (the engine checks the fleet file and
-  its plugins' options, every child the settings): a restart cannot mend that, so everything is
-  stopped and the parent exits 2, as `serve` with one process does before its port opens. The
-  parent itself loads no plugin and imports neither torch nor the web framework: it supervises.
+- A child that exits with status 2 from its first start refused its configuration (the engine
+  checks the fleet file and its plugins' options, every child the settings): everything is stopped
+  and the parent exits 2, as `serve` with one process does before its port opens. Later, a restart
+  that is refused counts as a death like any other (the file may be mended before the next one).
+  The parent itself loads no plugin and imports neither torch nor the web framework: it supervises.
 - The watchdog: the parent creates each engine's board and reads its heartbeat there. An engine
   that has published nothing for `engine_hang_s` (stopped, or its event loop stuck) is killed, with
   one `engine_hung` log line saying why, and restarted as one that died: what an orchestrator's
@@ -48,7 +49,8 @@ __all__ = ["CONFIG_REFUSED", "ENGINE_DEATHS_LIMIT", "Child", "Supervisor", "rest
 
 log = logging.getLogger("router.host.supervisor")
 ENGINE_DEATHS_LIMIT = 5
-#: The exit status of a child that refused its configuration (a ConfigError at start).
+#: The exit status of a child that refused its configuration (a ConfigError at start); from a first
+#: start, the host's too.
 CONFIG_REFUSED = 2
 ENGINE_DEATHS_WINDOW_S = 60.0
 POLL_S = 0.05
@@ -72,6 +74,7 @@ class Child:
     role: str  # "engine" or "front N"
     command: list[str]
     process: subprocess.Popen[bytes] | None = None
+    starts: int = 0
     started_at: float = 0.0
     deaths: int = 0  # in a row
     restart_at: float | None = None
@@ -137,6 +140,7 @@ class Supervisor:
             if self._board is not None:
                 self._board.close()
             self._board = BoardReader(handed[0])  # maps it and closes the descriptor
+        child.starts += 1
         child.started_at = time.monotonic()
         child.restart_at = None
         log.info("started %s (pid %d)", child.role, child.process.pid)
@@ -208,7 +212,7 @@ class Supervisor:
         while child.death_times and now - child.death_times[0] > ENGINE_DEATHS_WINDOW_S:
             child.death_times.popleft()
         log.error("%s (pid %d) exited with status %s", child.role, process.pid, process.returncode)
-        if process.returncode == CONFIG_REFUSED:
+        if process.returncode == CONFIG_REFUSED and child.starts == 1:
             log.critical("%s refused its configuration (its error is above): stopping the server", child.role)
             return "refused"
         if child.role == "engine" and len(child.death_times) >= ENGINE_DEATHS_LIMIT:

@@ -91,8 +91,9 @@ def test_a_front_of_a_detector_fleet_never_maps_torch(tmp_path: Path, store: Pat
 
 
 def test_a_fleet_the_engine_refuses_stops_the_split_host_with_status_2(tmp_path: Path, store: Path) -> None:  # noqa: F811
-    """The parent leaves the fleet file to the engine; an engine that refuses it ends the host, as
-    one process refuses it before its port opens."""
+    """The parent leaves the fleet file to the engine; an engine that refuses it at start-up ends the
+    host, as one process refuses it before its port opens (a refused restart is a death like any
+    other: test_split_host.py's crash loop)."""
     config = tmp_path / "fleet.yaml"
     config.write_text(f"model_store: {store}\nmodels:\n  clf:\n    plugin: resnet\n    options: {{weights: ../../etc/passwd}}\n",
                       encoding="utf-8")
