@@ -263,15 +263,18 @@ def _split(results: Mapping[str, Any]) -> list[str]:
         for name, c in sh[key]["contenders"].items():
             roles = ", ".join(f"{role[len('cpu_us_per_answer['):-1]} {_num(v['median'])}" for role, v in c.items()
                               if role.startswith("cpu_us_per_answer["))
+            rss = ", ".join(f"{role} {_num(mb)}" for role, mb in c["median_run"].get("rss_mb", {}).items()) or "–"
             rows.append([label, _SPLIT_NAMES.get(name, name.replace("router ", "router, workers ")),
                          (f"{_num(c['throughput_rps']['median'])} ({_num(c['throughput_rps']['min'])}–"
-                         f"{_num(c['throughput_rps']['max'])})"), _num(c["p50_ms"]["median"]), roles])
+                         f"{_num(c['throughput_rps']['max'])})"), _num(c["p50_ms"]["median"]), roles, rss])
     targets = [f"- {'met' if ok else 'missed'}: {what}" for what, ok in sh["targets"].items()]
     return ["## One host split into fronts and an engine", "",
             (f"`benchmarks/split_host.py` on {_num(sh['cores'])} cores: each contender on a fresh server,"
              f" {_num(sh['fast']['contenders']['router 1']['rounds'])} alternating rounds (medians, the range in"
              " brackets). The fast accelerator: a batch of n costs 2 + 0.05 n ms, batches of 64, the GIL released."), "",
-            *_table(["workload", "contender", "req/s", "p50 ms", "CPU µs per answer, by process role (median)"], rows),
+            *_table(["workload", "contender", "req/s", "p50 ms", "CPU µs per answer, by process role (median)",
+                     "RSS MB by process, warm (the median run)"], rows),
+            *_split_memory(sh.get("memory")),
             (f"Fast accelerator: workers 1 ÷ the limit {_num(f['fast_w1_over_limit'])}, workers 2 ÷ the limit"
              f" {_num(f['fast_w2_over_limit'])}; ÷ LitServe's better setting {_num(f['fast_w1_over_litserve'])} and"
              f" {_num(f['fast_w2_over_litserve'])}; workers 2 ÷ workers 1 {_num(f['w2_over_w1'])}. No-op: router ÷"
@@ -283,6 +286,16 @@ def _split(results: Mapping[str, Any]) -> list[str]:
              f" {proj['split_bound_by']}; the cores alone would carry {_num(proj['cpu_bound_rps'])}, the engine's loop"
              f" {_num(proj['engine_bound_rps'])}, the accelerator {_num(proj['accelerator_rps'])})."), "",
             *targets, ""]
+
+
+def _split_memory(memory: Mapping[str, Any] | None) -> list[str]:
+    """RSS by process role of the default fleet's split host, once ready."""
+    if not memory:
+        return []
+    rows = [[role, _num(mb), "yes" if role in memory["maps_torch"] else "no"] for role, mb in memory["rss_mb"].items()]
+    return [(f"Memory: the default fleet ({memory['fleet']}) with workers {_num(memory['workers'])}, each process's RSS"
+             " once every process is ready and both models have answered through the fronts."), "",
+            *_table(["process", "RSS MB", "maps torch"], rows)]
 
 
 def _page(results: Mapping[str, Any]) -> list[str]:

@@ -9,14 +9,17 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from router.access import AccessPolicy, policy_from_settings
 from router.config import ServerSettings, config_error, load_settings
 from router.errors import ConfigError
-from router.http.auth import AccessPolicy, policy_from_settings
-from router.serving.plan import FleetPlan, load_plan
-from router.serving.registry import PluginRegistry
-from router.serving.transforms import TransformRegistry
-from router.tracing import tracing_from_environment
+
+if TYPE_CHECKING:
+    from router.serving.plan import FleetPlan
+
+# What serves, plugins and the web framework are imported by the subcommands that use them: the
+# parent of a split host runs this module and supervises, and imports none of them.
 
 __all__ = ["main"]
 
@@ -29,10 +32,17 @@ MISSING_FILES_HINT = ("model-router: put the files in the model store, or build 
 def prepare(args: argparse.Namespace) -> tuple[ServerSettings, FleetPlan, AccessPolicy]:
     """Every validation that comes before the port opens, shared by `serve` and `check`: the
     settings, the fleet and its plugins' options and paths, the keys. Raises ConfigError."""
-    overrides = {k: v for k in ("config", "host", "port", "grpc_port", "workers") if (v := getattr(args, k, None)) is not None}
-    settings = load_settings(**overrides)
+    from router.serving.plan import load_plan
+
+    settings = settings_from(args)
     plan = load_plan(settings.config)
     return settings, plan, access_policy(settings)
+
+
+def settings_from(args: argparse.Namespace) -> ServerSettings:
+    """The settings, with the command's flags over the environment. Raises ConfigError."""
+    overrides = {k: v for k in ("config", "host", "port", "grpc_port", "workers") if (v := getattr(args, k, None)) is not None}
+    return load_settings(**overrides)
 
 
 def _refuse(exc: ConfigError) -> int:
@@ -41,6 +51,30 @@ def _refuse(exc: ConfigError) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from router.logs import configure_logging
+    from router.serving.threads import available_cores
+
+    try:
+        settings = settings_from(args)
+        policy = access_policy(settings)
+    except ConfigError as exc:
+        return _refuse(exc)
+    workers = settings.front_count(available_cores())
+    if workers > 1:  # N front processes and one engine (router.host): docs/architecture-processes.md
+        from router.host.supervisor import Supervisor
+
+        # The engine checks the fleet file (a bad one stops the host with status 2) and the
+        # fronts the tracing settings: this process supervises and loads no plugin.
+        configure_logging(settings.log_level, settings.log_format, role="parent")
+        log.info(policy.describe())
+        try:
+            return Supervisor(settings, workers).run()
+        except ConfigError as exc:  # a port another process has
+            return _refuse(exc)
+    return serve_one_process(args)
+
+
+def serve_one_process(args: argparse.Namespace) -> int:
     from router.grpc.server import grpc_server
     from router.http.app import Listener, create_app
     from router.http.server import run_server
@@ -49,22 +83,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from router.pipelines import PipelineRunner
     from router.serving.runtime import Runtime
     from router.serving.threads import apply_threads, available_cores, count_threads
+    from router.tracing import tracing_from_environment
 
     try:
         settings, plan, policy = prepare(args)
         tracing = tracing_from_environment()  # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT turns it on
     except ConfigError as exc:
         return _refuse(exc)
-    workers = settings.front_count(available_cores())
-    if workers > 1:  # N front processes and one engine (router.host): docs/architecture-processes.md
-        from router.host.supervisor import Supervisor
-
-        configure_logging(settings.log_level, settings.log_format, role="parent")
-        log.info(policy.describe())
-        try:
-            return Supervisor(settings, workers).run()
-        except ConfigError as exc:  # a port another process has
-            return _refuse(exc)
     configure_logging(settings.log_level, settings.log_format)
     threads = count_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
     apply_threads(threads)
@@ -89,6 +114,8 @@ def access_policy(settings: ServerSettings) -> AccessPolicy:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from router.tracing import tracing_from_environment
+
     try:
         _, plan, _ = prepare(args)
         tracing = tracing_from_environment()
@@ -110,6 +137,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_plugins(args: argparse.Namespace) -> int:
     """Every entry point the router reads: model plugins, transforms, exporters, demo files. Exit 1 if any is broken."""
     from router.exporting import installed_exporters
+    from router.serving.registry import PluginRegistry
+    from router.serving.transforms import TransformRegistry
     from router.store import demo_files
 
     registry = PluginRegistry.from_entry_points()
@@ -193,6 +222,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Export a fleet model (or convert an exported file) with the exporters the plugins declare."""
     from router.exporting import export_steps, installed_exporters, run_export, source_model
     from router.sdk.exporter import ExportError
+    from router.serving.plan import load_plan
 
     if args.model is None and args.from_file is None:
         print("model-router: export needs --model (a model of the fleet) or --from (an exported file)", file=sys.stderr)

@@ -111,3 +111,15 @@ def test_the_split_host_section_states_its_figures_and_targets() -> None:
     for what, met in split["targets"].items():
         assert f"- {'met' if met else 'missed'}: {what}" in page
     assert "## One host split" not in render(small_results())
+
+
+def test_the_split_host_section_states_each_processs_memory() -> None:
+    """RSS by process role: per contender (its median run) and for the default fleet, torch marked."""
+    split = json.loads((RESULTS.parent / "split_host.json").read_text(encoding="utf-8"))
+    split["fast"]["contenders"]["router 2"]["median_run"]["rss_mb"] = {"engine": 310, "front 1": 95, "parent": 41}
+    split["memory"] = {"fleet": "config/fleet.yaml", "workers": 2, "maps_torch": ["engine", "front 1"],
+                       "rss_mb": {"engine": 1324, "front 1": 790, "parent": 41}}
+    page = render({**small_results(), "scenarios": {"split": split}})
+    assert " | engine 310, front 1 95, parent 41 |\n" in page
+    assert "the default fleet (config/fleet.yaml) with workers 2" in page
+    assert "| engine | 1324 | yes |\n| front 1 | 790 | yes |\n| parent | 41 | no |" in page

@@ -10,6 +10,11 @@
 - The engine that dies is started again the same way, and loads the fleet file anew; meanwhile
   every front answers 503 with Retry-After. Five engine deaths within a minute are a crash loop:
   everything is stopped and the parent exits 1, for the orchestrator to see.
+- A child that exits with status 2 from its first start refused its configuration (the engine
+  checks the fleet file and its plugins' options, every child the settings): everything is stopped
+  and the parent exits 2, as `serve` with one process does before its port opens. Later, a restart
+  that is refused counts as a death like any other (the file may be mended before the next one).
+  The parent itself loads no plugin and imports neither torch nor the web framework: it supervises.
 - The watchdog: the parent creates each engine's board and reads its heartbeat there. An engine
   that has published nothing for `engine_hang_s` (stopped, or its event loop stuck) is killed, with
   one `engine_hung` log line saying why, and restarted as one that died: what an orchestrator's
@@ -43,10 +48,13 @@ from router.host.board import BoardReader, create_board, silent_s
 from router.host.handover import hold_port, write_settings
 from router.host.titles import set_title
 
-__all__ = ["ENGINE_DEATHS_LIMIT", "Child", "Supervisor", "restart_delay"]
+__all__ = ["CONFIG_REFUSED", "ENGINE_DEATHS_LIMIT", "Child", "Supervisor", "restart_delay"]
 
 log = logging.getLogger("router.host.supervisor")
 ENGINE_DEATHS_LIMIT = 5
+#: The exit status of a child that refused its configuration (a ConfigError at start); from a first
+#: start, the host's too.
+CONFIG_REFUSED = 2
 ENGINE_DEATHS_WINDOW_S = 60.0
 POLL_S = 0.05
 FIRST_RESTART_S = 0.5
@@ -69,6 +77,7 @@ class Child:
     role: str  # "engine" or "front N"
     command: list[str]
     process: subprocess.Popen[bytes] | None = None
+    starts: int = 0
     started_at: float = 0.0
     deaths: int = 0  # in a row
     restart_at: float | None = None
@@ -129,6 +138,7 @@ class Supervisor:
             if self._board is not None:
                 self._board.close()
             self._board = BoardReader(handed[0])  # maps it and closes the descriptor
+        child.starts += 1
         child.started_at = time.monotonic()
         child.restart_at = None
         log.info("started %s (pid %d)", child.role, child.process.pid)
@@ -176,8 +186,11 @@ class Supervisor:
                     engine.send_signal(signal.SIGHUP)
             now = time.monotonic()
             for child in self.children:
-                if self._check(child, now, env) == "crash loop":
+                outcome = self._check(child, now, env)
+                if outcome == "crash loop":
                     return 1
+                if outcome == "refused":
+                    return CONFIG_REFUSED
             time.sleep(POLL_S)
         return 0
 
@@ -198,6 +211,9 @@ class Supervisor:
         while child.death_times and now - child.death_times[0] > ENGINE_DEATHS_WINDOW_S:
             child.death_times.popleft()
         log.error("%s (pid %d) exited with status %s", child.role, process.pid, process.returncode)
+        if process.returncode == CONFIG_REFUSED and child.starts == 1:
+            log.critical("%s refused its configuration (its error is above): stopping the server", child.role)
+            return "refused"
         if child.role == "engine" and len(child.death_times) >= ENGINE_DEATHS_LIMIT:
             log.critical("the engine died %d times within %.0f s: stopping the server", len(child.death_times),
                          ENGINE_DEATHS_WINDOW_S)
