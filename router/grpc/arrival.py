@@ -46,7 +46,8 @@ class MessageArrival(aio.ServerInterceptor):  # type: ignore[misc]
         self.policy = policy
         self.limit = limit
         self.timeout_s = timeout_s
-        self._waiting: OrderedDict[asyncio.Event, None] = OrderedDict()  # set: end it for room; oldest first
+        self._waiting: OrderedDict[asyncio.Future[Any], None] = OrderedDict()  # reads without a key, oldest first
+        self._stopped: dict[asyncio.Future[Any], str] = {}  # reads stopped, and why
         self.ended_for_room = Reports()
 
     async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: Any) -> Any:
@@ -75,22 +76,29 @@ class MessageArrival(aio.ServerInterceptor):  # type: ignore[misc]
     async def read(self, context: Context) -> Any:
         """The call's one request message; the call ended instead when it is too slow or makes room."""
         authorization = tuple(v for k, v in (context.invocation_metadata() or ()) if k == "authorization")
-        room = asyncio.Event()
+        reading = asyncio.ensure_future(context.read())
+        timer = asyncio.get_running_loop().call_later(self.timeout_s, self._stop, reading, "timeout")
         if not self.policy.holds_key(authorization):
-            self._wait(room)
-        reading, ending = asyncio.ensure_future(context.read()), asyncio.ensure_future(room.wait())
+            self._wait(reading)
         try:
-            await asyncio.wait((reading, ending), timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            message = await reading
+        except asyncio.CancelledError:
+            if (why := self._stopped.pop(reading, None)) is None:
+                raise  # the call itself was cancelled: the client left
+            await self._end(context, why == "room")
         finally:
-            self._waiting.pop(room, None)
-            for task in (reading, ending):
-                task.cancel()
-        if not reading.done() or reading.cancelled():
-            await self._end(context, room.is_set())
-        message = reading.result()
+            timer.cancel()
+            self._waiting.pop(reading, None)
+            self._stopped.pop(reading, None)
         if message is aio.EOF:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended before its request message")
         return message
+
+    def _stop(self, reading: asyncio.Future[Any], why: str) -> None:
+        """Stop waiting for a message (`why`: 'room' or 'timeout'); `read` ends the call."""
+        if not reading.done():
+            self._stopped[reading] = why
+            reading.cancel()
 
     async def _end(self, context: Context, for_room: bool) -> None:
         """End a call whose message has not arrived: it made room for another, or took too long."""
@@ -101,12 +109,12 @@ class MessageArrival(aio.ServerInterceptor):  # type: ignore[misc]
         await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"the request message did not arrive within {self.timeout_s:g} s of the call")
 
-    def _wait(self, room: asyncio.Event) -> None:
+    def _wait(self, reading: asyncio.Future[Any]) -> None:
         """Count a call waiting for its message; over the limit, end the longest-waiting one."""
-        self._waiting[room] = None
+        self._waiting[reading] = None
         if len(self._waiting) > self.limit:
             oldest, _ = self._waiting.popitem(last=False)
-            oldest.set()
+            self._stop(oldest, "room")
             self.ended_for_room.count += 1
             if (ended := self.ended_for_room.due(time.monotonic())) is not None:
                 log.warning("%d gRPC call(s) without a key ended to make room: more than %d were waiting for "
