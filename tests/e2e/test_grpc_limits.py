@@ -230,6 +230,15 @@ def stalled_calls(channel: grpc.Channel, count: int) -> tuple[list[grpc.Future],
     return [call.future(never(), timeout=120) for _ in range(count)], stop
 
 
+def until_ended(calls: list[grpc.Future], count: int) -> None:
+    """Wait (within HANG_S) until `count` of the stalled calls have been ended for room: the server has taken them
+    all, so none arrives after what the test sends next."""
+    deadline = time.monotonic() + HANG_S
+    while sum(call.done() for call in calls) < count:
+        assert time.monotonic() < deadline, f"{sum(call.done() for call in calls)} of {len(calls)} ended, not {count}"
+        time.sleep(0.05)
+
+
 def still_served(address: str) -> None:
     """ServerLive, health.Check and a keyed ModelInfer answer, on a connection of their own."""
     with own_connection(address) as channel:
@@ -295,6 +304,7 @@ def test_calls_whose_message_never_comes_make_room_and_time_out(bounded: RouterP
     with own_connection(bounded.grpc_address) as channel:
         calls, stop = stalled_calls(channel, 40)
         try:
+            until_ended(calls, 40 - AWAITED)
             still_served(bounded.grpc_address)
             errors = [call.exception(timeout=HANG_S) for call in calls]
         finally:
@@ -316,6 +326,7 @@ def test_a_split_host_bounds_each_front(tmp_path: Path) -> None:
     with serve_split(tmp_path, FLEET, env={**BOUNDED, "MODEL_ROUTER_GRPC_KEYLESS_WATCHES_PER_CONNECTION": "8"}) as split:
         channels = [own_connection(split.grpc_address) for _ in range(16)]
         stalled = [stalled_calls(channel, 4) for channel in channels]
+        until_ended([call for calls, _ in stalled for call in calls], 16 * 4 - 2 * AWAITED)
         served, refused = open_watches(channels, 8)
         try:
             assert TOTAL <= len(served) <= 2 * TOTAL
