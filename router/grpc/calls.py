@@ -28,12 +28,13 @@ from grpc import aio
 from router.access import Access, AccessPolicy
 from router.errors import InputError, RouterError, brief, grpc_status
 from router.grpc.protos import grpc_service_pb2 as pb
+from router.grpc.streams import OpenStreams
 from router.inference_protocol.submission import ItemFailed
 from router.logs import incoming_or_new, request_id_var, trace_id_var
 from router.tracing.api import RequestSpan, Tracing, access_attributes
 
-__all__ = ["SERVICE", "SERVICE_NAME", "Call", "Refusal", "call_of", "check_access", "end_span", "parse", "peer_host",
-           "refusal_of", "run_call", "serving", "start_span", "trace_metadata"]
+__all__ = ["SERVICE", "SERVICE_NAME", "Call", "Refusal", "call_of", "check_access", "end_span", "hold_stream", "parse",
+           "peer_host", "refusal_of", "run_call", "serving", "start_span", "trace_metadata"]
 
 log = logging.getLogger("router.access")
 errors_log = logging.getLogger("router.grpc")
@@ -165,6 +166,25 @@ async def check_access(policy: AccessPolicy, access: Access, call: Call, context
     except RouterError as exc:
         code, trailing = grpc_status(exc)
         await context.abort(grpc.StatusCode[code], exc.detail, tuple(trailing.items()))
+
+
+async def hold_stream(streams: OpenStreams, policy: AccessPolicy, call: Call,
+                      context: aio.ServicerContext[Any, Any]) -> str | None:
+    """Count a long stream without an inference key against `streams`' bounds, or end it with
+    RESOURCE_EXHAUSTED over them; the connection it was counted on (for `streams.closed`), None for
+    a keyed one, which is not counted."""
+    if policy.holds_key(call.authorization):
+        return None
+    connection = context.peer()
+    refusal = streams.open(connection)
+    if refusal is None:
+        return connection
+    if (refused := streams.refused.due(time.monotonic())) is not None:
+        errors_log.warning("%d gRPC stream(s) without a key refused: %d open, at most %d (%d a connection)",
+                           refused, streams.count, streams.total, streams.per_connection,
+                           extra={"open_keyless_streams": streams.count, "refused_streams": refused})
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+    return None  # abort raises: not reached
 
 
 def parse(message_type: Any, raw: bytes) -> Any:

@@ -7,16 +7,14 @@ pipeline is a model to V2 clients); anything else is unknown (NOT_FOUND for Chec
 SERVICE_UNKNOWN for Watch, as the health protocol asks).
 
 A Watch stays open as long as its client likes and needs no key unless health is protected, so
-Watch streams without an inference key are bounded per connection and in total
-(`router.grpc.streams`): over either bound a Watch is RESOURCE_EXHAUSTED, and the rest of the
-server's concurrent calls stay for probes and keyed calls. A Watch with a key is not counted.
+Watch streams without an inference key are bounded per connection and in total, with the other
+long streams (`router.grpc.streams`): over either bound a Watch is RESOURCE_EXHAUSTED, and the rest
+of the server's concurrent calls stay for probes and keyed calls. A Watch with a key is not counted.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any, Final
 
@@ -26,14 +24,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.access import Access, AccessPolicy
 from router.errors import ModelNotFound
-from router.grpc.calls import Call, call_of, check_access
+from router.grpc.calls import call_of, check_access, hold_stream
 from router.grpc.streams import OpenStreams
 from router.inference_protocol.targets import Pipelines, find_target
 from router.serving.facade import ServingFacade
 
 __all__ = ["ReadinessHealth", "health_status"]
-
-log = logging.getLogger("router.grpc")
 
 #: How often a Watch re-reads readiness.
 WATCH_INTERVAL_S: Final = 0.5
@@ -59,7 +55,7 @@ class ReadinessHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
         self.pipelines = pipelines
         self.policy = policy
         self.server_services = frozenset({"", service_name})
-        self.keyless = keyless  # open Watch streams without an inference key
+        self.keyless = keyless  # open long streams without an inference key
 
     async def Check(self, request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
         await check_access(self.policy, Access.HEALTH, call_of(context, "Check"), context)
@@ -72,7 +68,7 @@ class ReadinessHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
         """The status now, then each change, until the client leaves."""
         call = call_of(context, "Watch")
         await check_access(self.policy, Access.HEALTH, call, context)
-        counted = await self._admit(call, context)
+        counted = await hold_stream(self.keyless, self.policy, call, context)
         try:
             last = None
             while True:
@@ -84,19 +80,3 @@ class ReadinessHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
         finally:
             if counted is not None:
                 self.keyless.closed(counted)
-
-    async def _admit(self, call: Call, context: aio.ServicerContext[Any, Any]) -> str | None:
-        """Count a Watch without an inference key against the bounds, or end it with RESOURCE_EXHAUSTED
-        over them; the connection it was counted on, None for a keyed one (not counted)."""
-        if self.policy.holds_key(call.authorization):
-            return None
-        connection = context.peer()
-        refusal = self.keyless.open(connection)
-        if refusal is None:
-            return connection
-        if (refused := self.keyless.refused.due(time.monotonic())) is not None:
-            log.warning("%d health Watch stream(s) without a key refused: %d open, at most %d (%d a connection)",
-                        refused, self.keyless.count, self.keyless.total, self.keyless.per_connection,
-                        extra={"open_watches": self.keyless.count, "refused_watches": refused})
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
-        return None  # abort raises: not reached

@@ -6,8 +6,9 @@ it after the drain, so every process that serves the app serves gRPC too. grpcio
 SO_REUSEPORT on Linux, so several such processes can share the port. Messages are limited to the
 HTTP body limit in both directions, and concurrent RPCs to `max_connections` (RESOURCE_EXHAUSTED
 beyond). Calls without an inference key that stay open take at most a quarter of those each:
-health Watch streams (`grpc_keyless_watches`, `grpc_keyless_watches_per_connection` on one
-connection; more are refused, `router.grpc.streams`), and calls whose request message has not
+long streams, health Watch and, on a server without keys, ModelStreamInfer (`grpc_keyless_streams`,
+`grpc_keyless_streams_per_connection` on one connection; more are refused, `router.grpc.streams`),
+and calls whose request message has not
 arrived (`grpc_keyless_awaited`; one more ends the longest-waiting one, and a message must arrive
 within `body_timeout_s`, `router.grpc.arrival`); so probes and keyed calls always have room.
 """
@@ -82,11 +83,11 @@ def grpc_server(runtime: ServingFacade, settings: ServerSettings, policy: Access
     `tracing`: spans for calls, as the app's for requests."""
     inference = Inference(runtime, pipelines, shared_memory, max_message_bytes=settings.max_body_bytes,
                           max_items=settings.max_items, frames_in_flight=settings.grpc_stream_frames, tracing=tracing)
-    service = InferenceService(runtime, pipelines, inference, shared_memory, policy, tracing)
-    watches = OpenStreams(settings.grpc_keyless_watches_per_connection,
-                          share(settings.grpc_keyless_watches, settings.max_connections))
+    keyless = OpenStreams(settings.grpc_keyless_streams_per_connection,
+                          share(settings.grpc_keyless_streams, settings.max_connections))
+    service = InferenceService(runtime, pipelines, inference, shared_memory, policy, tracing, keyless=keyless)
     arrival = MessageArrival(policy, limit=share(settings.grpc_keyless_awaited, settings.max_connections),
                              timeout_s=settings.body_timeout_s)
-    return GrpcServer(service, ReadinessHealth(runtime, pipelines, policy, SERVICE_NAME, watches), host=settings.host,
+    return GrpcServer(service, ReadinessHealth(runtime, pipelines, policy, SERVICE_NAME, keyless), host=settings.host,
                       port=settings.grpc_port, max_message_bytes=settings.max_body_bytes,
                       max_concurrent_rpcs=settings.max_connections, arrival=arrival)

@@ -1,16 +1,18 @@
-"""How many gRPC streams that need no key and stay open one server holds: health `Watch` streams,
-per connection and in total, below grpcio's concurrent-RPC limit.
+"""How many long gRPC streams without a key one server holds open, per connection and in total,
+below grpcio's concurrent-RPC limit: health `Watch` streams, and `ModelStreamInfer` streams on a
+server without keys.
 
 grpcio's `maximum_concurrent_rpcs` counts every call from its headers on, and a call over it is
 RESOURCE_EXHAUSTED, liveness and health checks included: 1,024 `grpc.health.v1.Health/Watch`
 streams, which need no key unless health is protected and stay open as long as the client likes,
 were enough to refuse every other call, a keyed `ModelInfer` and the `health.Check` an
-orchestrator probes with among them. So Watch streams without an inference key are bounded per
-connection (grpc's peer, an address and port) and for the whole server, a quarter of that limit at
-most (`share`; calls waiting for their message take another quarter at most, `router.grpc.arrival`):
-a stream over a bound is refused with RESOURCE_EXHAUSTED, and the rest of the concurrent-RPC limit
-stays for the calls that end (probes, keyed calls). It is the gRPC side of the HTTP server's
-connection bound (`router.http.connections`). Plain state, no I/O: the health service asks it.
+orchestrator probes with among them; on a server without keys, so were `ModelStreamInfer` streams.
+So streams without an inference key are bounded per connection (grpc's peer, an address and port)
+and for the whole server, a quarter of that limit at most (`share`; calls waiting for their
+message take another quarter at most, `router.grpc.arrival`): a stream over a bound is refused
+with RESOURCE_EXHAUSTED, and the rest of the concurrent-RPC limit stays for the calls that end
+(probes, keyed calls). It is the gRPC side of the HTTP server's connection bound
+(`router.http.connections`). Plain state, no I/O: `router.grpc.calls.hold_stream` asks it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Reports:
 
 
 class OpenStreams:
-    """The open Watch streams without a key of one server, counted per connection and in total."""
+    """The open long streams without a key of one server, counted per connection and in total."""
 
     def __init__(self, per_connection: int, total: int) -> None:
         self.per_connection = per_connection
@@ -62,12 +64,12 @@ class OpenStreams:
         """Count a new stream on `connection`; the reason it is refused, and not counted, when it is over a bound."""
         if self._open[connection] >= self.per_connection:
             self.refused.count += 1
-            return (f"too many open health Watch streams on this connection (at most {self.per_connection} "
-                    "without an inference key); close one, or send the key")
+            return (f"too many open streams without an inference key on this connection (at most "
+                    f"{self.per_connection}: health Watch, ModelStreamInfer); close one, or send the key")
         if self.count >= self.total:
             self.refused.count += 1
-            return (f"too many open health Watch streams on this server (at most {self.total} without an "
-                    "inference key); retry later, or send the key")
+            return (f"too many open streams without an inference key on this server (at most {self.total}: "
+                    "health Watch, ModelStreamInfer); retry later, or send the key")
         self._open[connection] += 1
         self.count += 1
         return None

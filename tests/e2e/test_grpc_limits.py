@@ -175,11 +175,11 @@ def test_long_names_are_truncated_in_echoes(channel: grpc.Channel) -> None:
 # -- calls without a key that stay open: health Watch streams, messages that never come ---------------------------
 
 KEY = "grpc-limits-key-0123456789"
-#: grpc's concurrent-RPC limit (MAX_CONNECTIONS) is 32: a quarter, 8, for Watch streams without a key on the
+#: grpc's concurrent-RPC limit (MAX_CONNECTIONS) is 32: a quarter, 8, for long streams without a key on the
 #: server, 4 a connection, and 8 calls waiting for their message. Before these bounds, 32 such streams on one
 #: connection or on several refused every other call.
 BOUNDED = {"MODEL_ROUTER_API_KEYS": KEY, "MODEL_ROUTER_MAX_CONNECTIONS": "32",
-           "MODEL_ROUTER_GRPC_KEYLESS_WATCHES_PER_CONNECTION": "4", "MODEL_ROUTER_BODY_TIMEOUT_S": "2"}
+           "MODEL_ROUTER_GRPC_KEYLESS_STREAMS_PER_CONNECTION": "4", "MODEL_ROUTER_BODY_TIMEOUT_S": "2"}
 PER_CONNECTION, TOTAL, AWAITED = 4, 8, 8
 
 
@@ -268,7 +268,7 @@ def test_watch_streams_without_a_key_on_one_connection_leave_room(bounded: Route
         served, refused = open_watches([channel], 40)
         try:
             assert len(served) == PER_CONNECTION
-            refused_as(refused, grpc.StatusCode.RESOURCE_EXHAUSTED, "health Watch streams on this connection (at most 4")
+            refused_as(refused, grpc.StatusCode.RESOURCE_EXHAUSTED, "streams without an inference key on this connection (at most 4")
             still_served(bounded.grpc_address)
             assert live(channel)
             keyed = health_pb2_grpc.HealthStub(channel).Watch(
@@ -289,7 +289,7 @@ def test_watch_streams_without_a_key_over_many_connections_leave_room(bounded: R
     served, refused = open_watches(channels, 4)
     try:
         assert len(served) == TOTAL
-        refused_as(refused, grpc.StatusCode.RESOURCE_EXHAUSTED, "health Watch streams on this server (at most 8")
+        refused_as(refused, grpc.StatusCode.RESOURCE_EXHAUSTED, "streams without an inference key on this server (at most 8")
         still_served(bounded.grpc_address)
     finally:
         for call in served:
@@ -317,13 +317,47 @@ def test_calls_whose_message_never_comes_make_room_and_time_out(bounded: RouterP
     no_tracebacks(bounded)
 
 
+def test_streams_on_a_server_without_keys_leave_room(tmp_path: Path) -> None:
+    """Without keys every ModelStreamInfer is a stream without a key: 40 on one connection, each sent one frame,
+    with the same bounds as Watch streams: 4 answered, the rest RESOURCE_EXHAUSTED; probes and ModelInfer answer."""
+    stop = threading.Event()
+
+    def one_frame() -> Iterator[Any]:
+        yield documents("echo", 1)
+        stop.wait()
+
+    env = {key: value for key, value in BOUNDED.items() if key != "MODEL_ROUTER_API_KEYS"}
+    with serve(tmp_path, FLEET, env=env) as open_server, own_connection(open_server.grpc_address) as channel:
+        streams = channel.stream_stream(SERVICE + "ModelStreamInfer",
+                                        request_serializer=service_pb2.ModelInferRequest.SerializeToString,
+                                        response_deserializer=service_pb2.ModelStreamInferResponse.FromString)
+        calls = [streams(one_frame(), timeout=120) for _ in range(40)]
+        answered, refused = [], []
+        try:
+            for call in calls:
+                try:
+                    answered.append(next(call))
+                except grpc.RpcError as error:
+                    refused.append(error)
+            assert len(answered) == PER_CONNECTION and not any(a.error_message for a in answered)
+            refused_as(refused, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       "streams without an inference key on this connection (at most 4")
+            assert live(channel)
+            assert len(infer(channel, documents("echo", 2)).raw_output_contents) == 1
+        finally:
+            stop.set()
+            for call in calls:
+                call.cancel()
+        no_tracebacks(open_server)
+
+
 def test_a_split_host_bounds_each_front(tmp_path: Path) -> None:
     """`--workers 2`: each front runs its own gRPC server, and bounds its own streams. 16 connections of 8 Watch
     streams and 4 stalled calls each (before: enough to fill both fronts' 32 slots): at most 8 Watch streams a
     front are served, and probes and keyed calls answer on new connections, whichever front takes them."""
     from tests.e2e.test_split_host import serve_split
 
-    with serve_split(tmp_path, FLEET, env={**BOUNDED, "MODEL_ROUTER_GRPC_KEYLESS_WATCHES_PER_CONNECTION": "8"}) as split:
+    with serve_split(tmp_path, FLEET, env={**BOUNDED, "MODEL_ROUTER_GRPC_KEYLESS_STREAMS_PER_CONNECTION": "8"}) as split:
         channels = [own_connection(split.grpc_address) for _ in range(16)]
         stalled = [stalled_calls(channel, 4) for channel in channels]
         until_ended([call for calls, _ in stalled for call in calls], 16 * 4 - 2 * AWAITED)
@@ -331,7 +365,7 @@ def test_a_split_host_bounds_each_front(tmp_path: Path) -> None:
         try:
             assert TOTAL <= len(served) <= 2 * TOTAL
             assert len(refused) == 16 * 8 - len(served)
-            refused_as(refused, grpc.StatusCode.RESOURCE_EXHAUSTED, "health Watch streams on this server (at most 8")
+            refused_as(refused, grpc.StatusCode.RESOURCE_EXHAUSTED, "streams without an inference key on this server (at most 8")
             for _ in range(6):
                 still_served(split.grpc_address)
         finally:
