@@ -164,6 +164,22 @@ def _surges(photo: Mapping[str, Any], deadline: str) -> list[str]:
     return lines
 
 
+def _resnet18_surges(resnet18: Mapping[str, Any], deadline: str) -> list[str]:
+    runs = resnet18.get("surge_rounds", {}).get("runs", {}).get("router", [])
+    if not runs:
+        return []
+    rows = [[_num(r["round"]), _num(r["offered_rps"]), _num(r["goodput_rps"]), _num(r["ratio"]), _statuses(r),
+             _num(r["device"].get("busy_share")), _num(r["device"].get("mean_batch")),
+             _num(r["device"].get("median_batch_ms"))] for r in runs]
+    return ["## ResNet18 surges", "",
+            (f"The sweep's 5× point again, {len(runs)} times, each on a fresh server warmed at concurrency 2:"
+             f" {_num(runs[0]['offered_rps'])} req/s, {deadline} deadline. What the device did during each, from"
+             " the server's access log (`benchmarks/surge.py`): busy between the surge's first batch and its"
+             " last, and its batches."), "",
+            *_table(["round", "offered req/s", f"within {deadline}, req/s", "÷ capacity", "statuses",
+                     "device busy", "mean batch", "median batch ms"], rows)]
+
+
 def _preprocess(photo: Mapping[str, Any]) -> list[str]:
     costs = photo.get("preprocess", {})
     if not costs:
@@ -309,8 +325,9 @@ def render(results: Mapping[str, Any]) -> str:
     """The markdown of docs/performance.md for one run's results."""
     deadline = f"{_num(results.get('deadline_s', 1.0))} s"
     photo = results.get("workloads", {}).get("photo", {})
+    resnet18 = results.get("workloads", {}).get("resnet18", {})
     parts = [HEADER.split("\n")[:-1], _machine(results), _targets(results), _throughput(results, deadline),
-             _surges(photo, deadline), _preprocess(photo), _four_models(photo), _residency(results), _cluster(results),
+             _resnet18_surges(resnet18, deadline), _surges(photo, deadline), _preprocess(photo), _four_models(photo), _residency(results), _cluster(results),
              _split(results), _page(results), _tracing(results)]
     return "\n".join(line for part in parts for line in part).rstrip("\n") + "\n"
 

@@ -8,6 +8,7 @@ two `authorization` values is refused (401, UNAUTHENTICATED), whichever of them 
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from dataclasses import dataclass
 from enum import Enum
@@ -16,7 +17,7 @@ from pathlib import Path
 from router.config import ServerSettings
 from router.errors import ConfigError, Forbidden, Unauthorized, clip
 
-__all__ = ["Access", "AccessPolicy", "Authorization", "policy_from_settings", "read_keys"]
+__all__ = ["Access", "AccessPolicy", "Authorization", "KeyHolder", "policy_from_settings", "read_keys"]
 
 #: What a request presents: its one `authorization` value (None: none), or every value it carries.
 Authorization = str | tuple[str, ...] | None
@@ -60,6 +61,15 @@ def read_keys(inline: str | None, file: Path | None, name: str) -> tuple[bytes, 
         if len(key) < 16:
             raise ConfigError(f"{name}: every key must be at least 16 characters, got one of {len(key)}")
     return tuple(k.encode("ascii") for k in keys)
+
+
+@dataclass(frozen=True)
+class KeyHolder:
+    """Who presented a key, for what belongs to a key (shared memory regions): `id` names the key
+    without holding it (its SHA-256), '' with no keys set; `admin`: an admin key, or no keys set."""
+
+    id: str
+    admin: bool
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,16 @@ class AccessPolicy:
         except Unauthorized:
             return False
         return _matches(presented, self.admin_keys) | _matches(presented, self.predict_keys)
+
+    def holder(self, authorization: Authorization) -> KeyHolder:
+        """The holder of the presented key; Unauthorized (401) for a key that is not one of them."""
+        if not self.enabled:
+            return KeyHolder("", admin=True)
+        presented = _bearer(authorization)
+        admin = _matches(presented, self.admin_keys)
+        if not (admin or _matches(presented, self.predict_keys)):
+            raise Unauthorized("a valid API key is required: send 'Authorization: Bearer <key>'")
+        return KeyHolder(hashlib.sha256(presented).hexdigest(), admin)
 
 
 def _bearer(authorization: Authorization) -> bytes:

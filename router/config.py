@@ -525,10 +525,25 @@ class ServerSettings(BaseSettings):
         "max_connections); one more ends the longest-waiting one with RESOURCE_EXHAUSTED"))
     shared_memory: Literal["loopback", "any", "off"] = Field(
         "loopback", description="who may use V2 system shared memory: clients on this host, any client, or none")
+    shared_memory_register: Literal["admin", "inference"] = Field(
+        "admin", description="with keys set, which keys may register shared memory regions: admin keys, or inference keys too")
+    shared_memory_prefix: str = Field("", max_length=200, pattern=r"^[!-.0-~]*$",
+                                      description="every shared memory object's name must start with this (no '/')")
+    shared_memory_owner_uid: Literal["server", "any"] | int = Field(
+        "server", description="the uid that must own a shared memory object: the server's own, any, or this uid")
+    proxy_headers: bool = Field(False, description="take the client's address from X-Forwarded-For when the "
+                                                   "connection comes from forwarded_allow_ips (behind a proxy)")
+    forwarded_allow_ips: str = Field("127.0.0.1", min_length=1,
+                                     description="comma-separated proxy addresses (or networks) trusted for X-Forwarded-For")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "text"] = Field("auto", description="auto: text on a terminal, else JSON lines")
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024)
     drain_timeout_s: float = Field(30.0, ge=0)
+    # A split host's watchdog over its engine (router.host.board: the engine publishes every 100 ms at least).
+    engine_stale_s: float = Field(3.0, gt=0, le=3600, description="a split host's fronts take an engine silent this "
+                                  "long as hung: every request 503, not ready, until it publishes again")
+    engine_hang_s: float = Field(30.0, ge=0, le=86400, description="the parent kills and restarts an engine silent "
+                                 "this long, as a liveness probe would; 0: never")
     cpu_workers: int = Field(0, ge=0, le=1024, description="preprocessing threads; 0 = number of CPU cores")
     torch_threads: int = Field(0, ge=0, le=1024, description="torch intra-op threads; 0 = number of CPU cores")
     api_keys: str | None = Field(None, description="comma-separated bearer keys for inference routes")
@@ -559,6 +574,15 @@ class ServerSettings(BaseSettings):
             raise ValueError(f"workers must be from 1 to 256 or auto, got {value}")
         return value
 
+    @field_validator("shared_memory_owner_uid", mode="before")
+    @classmethod
+    def _a_uid(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().isdigit():
+            return int(value)
+        if value in ("server", "any") or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            return value
+        raise ValueError("must be server, any or a uid (an integer >= 0)")
+
     def front_count(self, cores: int) -> int:
         """How many front processes serve (1: the single process)."""
         return resolve_workers(self.workers, cores)
@@ -567,6 +591,13 @@ class ServerSettings(BaseSettings):
     def _ports_differ(self) -> ServerSettings:
         if self.grpc_port and self.grpc_port == self.port:
             raise ValueError(f"grpc_port {self.grpc_port} is the HTTP port too; give gRPC another port, or 0 to turn it off")
+        return self
+
+    @model_validator(mode="after")
+    def _hang_after_stale(self) -> ServerSettings:
+        if self.engine_hang_s and self.engine_hang_s <= self.engine_stale_s:
+            raise ValueError(f"engine_hang_s {self.engine_hang_s} must be longer than engine_stale_s "
+                             f"{self.engine_stale_s} (the fronts stop trusting the engine first), or 0 to never restart it")
         return self
 
 

@@ -4,7 +4,8 @@ model serves, NOT_SERVING before that and while draining (what /health/ready say
 Services: "" (the server) and `inference.GRPCInferenceService` report the server's readiness; a
 model's name reports whether that model serves, a pipeline's whether every model it uses does (a
 pipeline is a model to V2 clients); anything else is unknown (NOT_FOUND for Check,
-SERVICE_UNKNOWN for Watch, as the health protocol asks).
+SERVICE_UNKNOWN for Watch, as the health protocol asks). While a split host's engine is away or
+hung, every service is NOT_SERVING.
 
 A Watch stays open as long as its client likes and needs no key unless health is protected, so
 Watch streams without an inference key are bounded per connection and in total, with the other
@@ -23,7 +24,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.access import Access, AccessPolicy
-from router.errors import ModelNotFound
+from router.errors import EngineUnavailable, ModelNotFound
 from router.grpc.calls import call_of, check_access, hold_stream
 from router.grpc.streams import OpenStreams
 from router.inference_protocol.targets import Pipelines, find_target
@@ -43,6 +44,8 @@ def health_status(runtime: ServingFacade, pipelines: Pipelines, service: str, se
         serving = find_target(runtime, pipelines, service).serving and not runtime.draining
     except ModelNotFound:
         return health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+    except EngineUnavailable:  # a split host's engine away or hung: no model serves
+        return health_pb2.HealthCheckResponse.NOT_SERVING
     return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 

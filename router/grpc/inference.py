@@ -28,30 +28,39 @@ from typing import Any
 
 from grpc import aio
 
+from router.access import AccessPolicy
 from router.grpc.calls import Call, access_line, end_span, parse, refusal_of, serving, start_span, trace_metadata
 from router.grpc.codec import decode_request, encode_response
 from router.grpc.protos import grpc_service_pb2 as pb
 from router.inference_protocol.request import router_priority
-from router.inference_protocol.shared_memory import SharedMemoryRegistry
+from router.inference_protocol.shared_memory import Caller, SharedMemoryRegistry
 from router.inference_protocol.submission import item_traces, run_request
 from router.inference_protocol.targets import Pipelines, find_target
 from router.serving.facade import ServingFacade
 from router.tracing.api import Tracing
 
-__all__ = ["Inference", "answer_in_order"]
+__all__ = ["Inference", "answer_in_order", "shared_memory_caller"]
 
 log = logging.getLogger("router.grpc")
+
+
+def shared_memory_caller(registry: SharedMemoryRegistry, policy: AccessPolicy, call: Call) -> Caller:
+    """The call's client as shared memory knows it: its peer address and the key it presented."""
+    holder = policy.holder(call.authorization)
+    return registry.caller(call.peer, holder.id, holder.admin)
 
 
 class Inference:
     """The inference calls of one gRPC server, on the serving façade."""
 
-    def __init__(self, runtime: ServingFacade, pipelines: Pipelines, shared_memory: SharedMemoryRegistry, *,
-                 max_message_bytes: int, max_items: int, frames_in_flight: int, tracing: Tracing | None = None) -> None:
+    def __init__(self, runtime: ServingFacade, pipelines: Pipelines, shared_memory: SharedMemoryRegistry,
+                 policy: AccessPolicy, *, max_message_bytes: int, max_items: int, frames_in_flight: int,
+                 tracing: Tracing | None = None) -> None:
         self.runtime = runtime
         self.pipelines = pipelines
         self.tracing = tracing
         self.shared_memory = shared_memory
+        self.policy = policy
         self.max_message_bytes = max_message_bytes
         self.max_items = max_items
         self.frames_in_flight = frames_in_flight
@@ -79,7 +88,8 @@ class Inference:
             trace.enter("receive", call.received_at)
         target = find_target(self.runtime, self.pipelines, name, message.model_version)
         target.entry.precheck(name, received_at=call.received_at)  # draining, not serving, full: before decoding
-        regions = self.shared_memory.for_client(call.peer, self.max_message_bytes)
+        regions = self.shared_memory.for_client(shared_memory_caller(self.shared_memory, self.policy, call),
+                                                self.max_message_bytes)
         model = target.model
         max_items = min(self.max_items, model.queue_capacity)
         if trace is not None:

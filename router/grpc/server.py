@@ -81,7 +81,7 @@ def grpc_server(runtime: ServingFacade, settings: ServerSettings, policy: Access
     """The gRPC endpoint the settings ask for (`grpc_port`; the caller skips it for 0). `pipelines`:
     the runner the HTTP app serves pipelines with (one per process: its counters are the pipelines');
     `tracing`: spans for calls, as the app's for requests."""
-    inference = Inference(runtime, pipelines, shared_memory, max_message_bytes=settings.max_body_bytes,
+    inference = Inference(runtime, pipelines, shared_memory, policy, max_message_bytes=settings.max_body_bytes,
                           max_items=settings.max_items, frames_in_flight=settings.grpc_stream_frames, tracing=tracing)
     keyless = OpenStreams(settings.grpc_keyless_streams_per_connection,
                           share(settings.grpc_keyless_streams, settings.max_connections))

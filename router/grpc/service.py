@@ -18,11 +18,11 @@ from grpc import aio
 from router.access import Access, AccessPolicy
 from router.errors import InputError, Unimplemented, brief
 from router.grpc.calls import SERVICE, SERVICE_NAME, Call, call_of, check_access, hold_stream, run_call
-from router.grpc.inference import Inference
+from router.grpc.inference import Inference, shared_memory_caller
 from router.grpc.protos import grpc_service_pb2 as pb
 from router.grpc.streams import OpenStreams
 from router.inference_protocol import repository
-from router.inference_protocol.shared_memory import SharedMemoryRegistry, refuse_cuda
+from router.inference_protocol.shared_memory import Caller, SharedMemoryRegistry, refuse_cuda
 from router.inference_protocol.targets import Pipelines, find_target, is_ready, repository_index
 from router.serving.facade import ServingFacade
 from router.tracing.api import Tracing
@@ -109,22 +109,22 @@ class InferenceService:
     # -- shared memory -------------------------------------------------------------------------------
 
     async def SystemSharedMemoryStatus(self, message: Any, call: Call) -> Any:
-        self.shared_memory.check_client(call.peer)
         response = pb.SystemSharedMemoryStatusResponse()
-        for region in self.shared_memory.status(message.name or None):
+        for region in self.shared_memory.status(self._caller(call), message.name or None):
             response.regions[region.name].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(
                 name=region.name, key=region.key, offset=region.offset, byte_size=region.byte_size))
         return response
 
     async def SystemSharedMemoryRegister(self, message: Any, call: Call) -> Any:
-        self.shared_memory.check_client(call.peer)
-        self.shared_memory.register(message.name, message.key, message.offset, message.byte_size)
+        self.shared_memory.register(self._caller(call), message.name, message.key, message.offset, message.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, message: Any, call: Call) -> Any:
-        self.shared_memory.check_client(call.peer)
-        self.shared_memory.unregister(message.name or None)
+        self.shared_memory.unregister(self._caller(call), message.name or None)
         return pb.SystemSharedMemoryUnregisterResponse()
+
+    def _caller(self, call: Call) -> Caller:
+        return shared_memory_caller(self.shared_memory, self.policy, call)
 
     async def CudaSharedMemoryStatus(self, message: Any, call: Call) -> Any:
         if message.name:

@@ -8,6 +8,12 @@ runs (`router.serving.rules`), with no round trip.
 Each record is guarded by a sequence lock: the writer makes its counter odd, writes, makes it even
 again; a reader retries until it reads the same even counter before and after the record (x86
 keeps stores in order and loads in order, which is all this needs).
+
+The header's `published_at` (the host's monotonic clock, the same in every process) is the
+engine's heartbeat: it publishes every 100 ms at least, so a board silent for long
+(`silent_s`) is an engine that hangs. The fronts then stop trusting it (`engine_stale_s`) and the
+parent, which creates the board and hands it to each engine it starts, kills the engine
+(`engine_hang_s`).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from msgspec.structs import replace
 
 from router.serving.rules import ModelFigures
 
-__all__ = ["BOARD_BYTES", "MAX_MODELS", "BoardHeader", "BoardReader", "BoardWriter"]
+__all__ = ["BOARD_BYTES", "MAX_MODELS", "BoardHeader", "BoardReader", "BoardWriter", "create_board", "silent_s"]
 
 SLOT_BYTES = 2048
 MAX_MODELS = 255
@@ -44,12 +50,25 @@ class BoardHeader:
     published_at: float
 
 
-class BoardWriter:
-    """The engine's side: it creates the board and alone writes it."""
+def silent_s(header: BoardHeader, now: float) -> float | None:
+    """Seconds since the engine last published the board; None before it first did (still loading)."""
+    if header.epoch == 0:
+        return None
+    return max(0.0, now - header.published_at)
 
-    def __init__(self) -> None:
-        self.fd = os.memfd_create("model-router-board", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, BOARD_BYTES)
+
+def create_board() -> int:
+    """A new, empty board: the memfd's descriptor (closed on exec unless handed on)."""
+    fd = os.memfd_create("model-router-board", os.MFD_CLOEXEC)
+    os.ftruncate(fd, BOARD_BYTES)
+    return fd
+
+
+class BoardWriter:
+    """The engine's side: it alone writes the board, the one the parent handed it or its own."""
+
+    def __init__(self, fd: int | None = None) -> None:
+        self.fd = create_board() if fd is None else fd
         self._map = mmap.mmap(self.fd, BOARD_BYTES)
 
     def header(self, epoch: int, ready: bool, draining: bool, now: float) -> None:

@@ -4,8 +4,10 @@ The front's app (native API, KServe V2, /ui, admin) talks to it exactly as to `R
 it: refusals from the engine's board with the very rules the engine runs (`precheck`, and again at
 the start of `submit`), `preprocess` and `postprocess` on this process's plugin objects, and one
 `Submit` and one `Reply` per request over the engine's socket. Snapshots are the engine's latest,
-with the request counts of every front. The engine gone: every open request and every new one is
-answered 503 with Retry-After at once, and the client reconnects to the engine's successor.
+with the request counts of every front. The engine gone, not yet synced, or silent past
+`engine_stale_s` (`router.host.heartbeat`): every open request and every new one is answered 503
+with Retry-After at once, the model routes and readiness answer the same 503, `ready` is false,
+and the client reconnects to the engine's successor.
 """
 
 from __future__ import annotations
@@ -14,14 +16,15 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 
 from router.errors import (
     ConfigError,
+    EngineUnavailable,
     ModelChanged,
     ModelError,
     ModelNotFound,
@@ -33,7 +36,8 @@ from router.errors import (
 from router.host.arena import Arena
 from router.host.board import BoardReader
 from router.host.exchange import GRACE_S, Exchanges, engine_gone
-from router.host.front_models import FrontModel, FrontModels
+from router.host.front_models import FrontHookFailed, FrontModel, FrontModels, front_hook
+from router.host.heartbeat import HEARTBEAT_EVERY_S, Heartbeat
 from router.host.messages import BatchFacts as BatchFactsMessage
 from router.host.messages import (
     CallReply,
@@ -69,7 +73,6 @@ from router.tracing.api import Phases, within_phase
 __all__ = ["REQUEST_ARENA_BYTES", "EngineClient"]
 
 log = logging.getLogger("router.host.client")
-T = TypeVar("T")
 REQUEST_ARENA_BYTES = 256 * 1024 * 1024
 RECONNECT_S = 0.1
 #: How long a front waits at start for the engine before it serves anyway (answering 503 until then).
@@ -79,7 +82,8 @@ LAGS_EVERY_S = 0.05
 
 class EngineClient:
     def __init__(self, socket_path: Path, front: int, *, cpu_workers: int = 1,
-                 arena_bytes: int = REQUEST_ARENA_BYTES, clock: Callable[[], float] = time.monotonic) -> None:
+                 arena_bytes: int = REQUEST_ARENA_BYTES, clock: Callable[[], float] = time.monotonic,
+                 stale_after_s: float = 3.0) -> None:
         from router.serving.hooks import HookRunner
 
         self.socket_path = socket_path
@@ -96,12 +100,12 @@ class EngineClient:
         self._exchanges = Exchanges(self.arena, clock)
         self._stream: EngineStream | None = None
         self._board: BoardReader | None = None
+        self._heartbeat = Heartbeat(front, stale_after_s)
         self._answers: Arena | None = None
         self._snapshot: tuple[bool, bool, list[ModelInfo], list[DeviceInfo]] | None = None
         self._raw_snapshot: Snapshot | None = None
         self._lags: dict[str, list[float]] = {}
         self._draining = False
-        self._connected = asyncio.Event()
         self._synced = asyncio.Event()  # a snapshot came from the engine connected now
         self._tasks: set[asyncio.Task[Any]] = set()
         self.request_counts: Callable[[], dict[str, dict[str, int]]] = dict
@@ -115,6 +119,7 @@ class EngineClient:
         answer them."""
         self._spawn(self._keep_connected(), "engine-link")
         self._spawn(self._report_lags(), "report-lags")
+        self._spawn(self._watch_heartbeat(), "heartbeat")
         try:
             await asyncio.wait_for(self._synced.wait(), START_WAIT_S)
         except TimeoutError:
@@ -136,6 +141,7 @@ class EngineClient:
                 await asyncio.sleep(RECONNECT_S)
                 continue
             self._board = BoardReader(shake.board_fd)
+            self._heartbeat.reset()
             self._answers = Arena.attach(shake.answer_fd, shake.welcome.arena_bytes)
             stream = EngineStream(shake.frames, self._on_message, self._on_lost)
             await loop.create_unix_connection(lambda stream=stream: stream, sock=shake.sock)  # type: ignore[misc]
@@ -144,7 +150,6 @@ class EngineClient:
                 self._on_message(message)
             log.info("front %d connected to the engine (pid %d, epoch %d)", self.front, shake.welcome.engine_pid,
                      shake.welcome.epoch)
-            self._connected.set()
             while not stream.closed:
                 await asyncio.sleep(RECONNECT_S)
 
@@ -154,7 +159,6 @@ class EngineClient:
             return
         log.error("front %d lost the engine with %d request(s) open", self.front, self._exchanges.open)
         self._stream = None
-        self._connected.clear()
         self._synced.clear()
         self._board, self._snapshot, self._raw_snapshot = None, None, None
         self._exchanges.lost()
@@ -201,10 +205,25 @@ class EngineClient:
             self._snapshot = (raw.ready, raw.draining, models, devices)
         return self._snapshot
 
+    def _away(self) -> EngineUnavailable | None:
+        """The 503 to answer while the engine cannot be counted on (gone, not synced, silent); None while it can."""
+        if self._stream is None or self._board is None or self._raw_snapshot is None:
+            return engine_gone()
+        return self._heartbeat.silence(self._board)
+
+    async def _watch_heartbeat(self) -> None:
+        """An engine gone silent: the requests sent to it are answered 503 at once, as when it dies."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_EVERY_S)
+            if self._stream is not None and self._board is not None:
+                silence = self._heartbeat.look(self._board)
+                if silence is not None:
+                    self._exchanges.cancel_all(silence)
+
     @property
     def ready(self) -> bool:
         ready, draining, _, _ = self._snapshots()
-        return ready and not draining and not self._draining and self._stream is not None
+        return ready and not draining and not self._draining and self._away() is None
 
     @property
     def draining(self) -> bool:
@@ -218,10 +237,14 @@ class EngineClient:
         return list(self._fleet.models)
 
     def models(self) -> list[ModelInfo]:
+        if (away := self._away()) is not None:
+            raise away
         counts = self.request_counts()
         return [_with_requests(info, counts.get(info.name)) for info in self._snapshots()[2]]
 
     def model(self, name: str) -> ModelInfo:
+        if (away := self._away()) is not None:
+            raise away
         for info in self._snapshots()[2]:
             if info.name == name:
                 return _with_requests(info, self.request_counts().get(name))
@@ -237,10 +260,10 @@ class EngineClient:
     # -- the request path -----------------------------------------------------------------------
 
     def _model(self, name: str) -> FrontModel:
+        if (away := self._away()) is not None:
+            raise away
         model = self._fleet.get(name)
         if model is None:
-            if self._stream is None:
-                raise engine_gone()
             raise self._not_found(name)
         return model
 
@@ -303,7 +326,7 @@ class EngineClient:
                 return await self._prepared(front, terms, deadline, payload, request_id, trace, wait_for_room), deadline
             except ModelChanged:  # a new version serves: prepared again, in the engine
                 pass
-            except _FrontHookFailed as failed:  # prepared again in the engine: if that works, from now on
+            except FrontHookFailed as failed:  # prepared again in the engine: if that works, from now on
                 answer = await self._whole(front, terms, deadline, payload, request_id, trace, wait_for_room)
                 self._fleet.serve_from_engine(front, failed.hook, failed.error)
                 return answer, deadline
@@ -318,7 +341,7 @@ class EngineClient:
             trace.enter("preprocess", self.clock())
         self._preparing[name] += 1
         try:
-            item = await _front_hook(self.hooks.run(name, front.entry.plugin, plugin, "preprocess", payload,
+            item = await front_hook(self.hooks.run(name, front.entry.plugin, plugin, "preprocess", payload,
                                                     deadline=deadline), "preprocess")
             packed = self._pack(item)
         finally:
@@ -330,7 +353,7 @@ class EngineClient:
             trace_execution(trace, batch_facts(reply.facts), self.clock())
         try:
             output = unpack(reply.output, self._answers)
-            result = await _front_hook(self.hooks.run(name, front.entry.plugin, plugin, "postprocess", output, item,
+            result = await front_hook(self.hooks.run(name, front.entry.plugin, plugin, "postprocess", output, item,
                                                       deadline=deadline), "postprocess")
         finally:
             self._exchanges.release(reply.output)
@@ -405,7 +428,9 @@ class EngineClient:
     # -- operators' changes and lifecycle --------------------------------------------------------
 
     async def _call(self, verb: str, **args: Any) -> Any:
-        await asyncio.wait_for(self._connected.wait(), 30.0)
+        await asyncio.wait_for(self._synced.wait(), 30.0)
+        if (away := self._away()) is not None:  # silent: it would not answer
+            raise away
         reply = await self._exchanges.call(verb, call_args(**args))
         if reply.failure is not None:
             if reply.failure.kind == "ConfigError":
@@ -472,21 +497,6 @@ class EngineClient:
             await self._inflight.until_idle(5.0)
         except TimeoutError:
             log.error("%d request(s) still in flight after drain", self._inflight.count)
-
-
-class _FrontHookFailed(Exception):
-    """A plugin's hook raised in this front (not a RouterError it meant): maybe it needs the model."""
-
-    def __init__(self, hook: str, error: ModelError) -> None:
-        super().__init__(error.detail)
-        self.hook, self.error = hook, error
-
-
-async def _front_hook(work: Awaitable[T], hook: str) -> T:
-    try:
-        return await work
-    except ModelError as exc:  # HookRunner's word for a plugin's own exception
-        raise _FrontHookFailed(hook, exc) from None
 
 
 def batch_facts(facts: BatchFactsMessage) -> BatchFacts:

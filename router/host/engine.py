@@ -86,12 +86,12 @@ class EngineServer:
     """Listens on the engine's socket; one `FrontLink` per connected front."""
 
     def __init__(self, runtime: Runtime, socket_path: Path, epoch: int,
-                 on_message: Callable[[str], None] | None = None) -> None:
+                 on_message: Callable[[str], None] | None = None, board_fd: int | None = None) -> None:
         self.runtime = runtime
         self.socket_path = socket_path
         self.epoch = epoch
         self.links: dict[int, FrontLink] = {}
-        self.board = BoardWriter()
+        self.board = BoardWriter(board_fd)  # the parent's (it watches the heartbeat), or a board of its own
         self.news = FleetNews(runtime, self.board)
         self.writer = Writer()
         self._on_message = on_message or (lambda kind: None)

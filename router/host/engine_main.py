@@ -1,10 +1,11 @@
 """The engine process of a split host, started by the parent (`router.host.supervisor`):
 
-    python -m router.host.engine_main --socket PATH --epoch N --parent PID
+    python -m router.host.engine_main --socket PATH --epoch N --parent PID [--board-fd FD]
 
 It reads the settings and the fleet file as `model-router serve` does, runs the `Runtime` (queues,
 schedulers, residency, instances) and serves the fronts on the socket. SIGTERM (from the parent,
 once the fronts have drained): answer what is left, unload, exit. SIGHUP: re-read the fleet file.
+`--board-fd`: the board the parent created (it reads the heartbeat there, `router.host.board`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", type=Path, required=True)
     parser.add_argument("--epoch", type=int, default=1)
     parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--board-fd", type=int, default=None)
     args = parser.parse_args(argv)
     die_with_parent(args.parent)
     set_title("engine")
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_threads(threads)
     metrics = RouterMetrics()
     runtime = Runtime(plan, cpu_workers=threads.cpu_workers, telemetry=EngineEvents(metrics), tracing=tracing)
-    run = _serve(runtime, metrics, args.socket, args.epoch, settings.drain_timeout_s)
+    run = _serve(runtime, metrics, args.socket, args.epoch, settings.drain_timeout_s, args.board_fd)
     try:
         try:
             import uvloop
@@ -98,14 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _serve(runtime: Runtime, metrics: RouterMetrics, socket: Path, epoch: int, drain_s: float) -> None:
+async def _serve(runtime: Runtime, metrics: RouterMetrics, socket: Path, epoch: int, drain_s: float,
+                 board_fd: int | None) -> None:
     loop = asyncio.get_running_loop()
     received: Counter[str] = Counter()
 
     def count(kind: str) -> None:
         received[kind] += 1
 
-    server = EngineServer(runtime, socket, epoch, on_message=count)
+    server = EngineServer(runtime, socket, epoch, on_message=count, board_fd=board_fd)
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(_reload(runtime)))

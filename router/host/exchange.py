@@ -19,7 +19,7 @@ from router.host.arena import Arena
 from router.host.messages import Call, CallReply, Cancel, Packed, Release, Reply, Submit
 from router.host.stream import EngineStream
 
-__all__ = ["ENGINE_GONE", "GRACE_S", "Exchanges", "engine_gone"]
+__all__ = ["ENGINE_GONE", "GRACE_S", "Exchanges", "engine_gone", "engine_silent"]
 
 #: After a request's deadline the engine answers at once, or when its running batch ends: past that
 #: and this grace the front gives up on it (an engine that hangs).
@@ -29,6 +29,12 @@ ENGINE_GONE = "the engine process is restarting; retry shortly"
 
 def engine_gone() -> EngineUnavailable:
     return EngineUnavailable(ENGINE_GONE, retry_after_s=2.0)
+
+
+def engine_silent(silent_s: float) -> EngineUnavailable:
+    """The engine is connected but has published nothing for `silent_s` (stopped, or its loop stuck)."""
+    return EngineUnavailable(f"the engine process has not answered for {silent_s:.1f} s; retry shortly",
+                             retry_after_s=2.0)
 
 
 class _Waiting:

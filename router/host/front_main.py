@@ -69,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model-router front {args.index}: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format, role=f"front {args.index}")
-    client = EngineClient(args.socket, args.index, cpu_workers=front_cpu_workers(settings, args.workers))
+    client = EngineClient(args.socket, args.index, cpu_workers=front_cpu_workers(settings, args.workers),
+                          stale_after_s=settings.engine_stale_s)
     # V2 system shared memory: one table of registrations for every front (the run directory's)
-    shared_memory = SharedMemoryRegistry(settings.shared_memory, table=args.socket.parent / "regions")
+    shared_memory = SharedMemoryRegistry.from_settings(settings, table=args.socket.parent / "regions")
     pipelines = PipelineRunner(client)  # one runner for this front's HTTP app and its gRPC listener
     listeners: list[Listener] = []
     if settings.grpc_port:  # every front serves gRPC too, on the same port (grpc.so_reuseport)

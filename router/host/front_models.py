@@ -15,17 +15,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from router.errors import ModelError
 from router.host.messages import ModelEntry
 from router.sdk.plugin import ModelPlugin, PluginContext
 from router.serving.registry import PluginRegistry
 
-__all__ = ["FrontModel", "FrontModels"]
+__all__ = ["FrontHookFailed", "FrontModel", "FrontModels", "front_hook"]
 
 log = logging.getLogger("router.host.front_models")
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -116,3 +119,19 @@ class FrontModels:
             model.plugin = None
             return
         model.prepared_generation = entry.generation
+
+
+class FrontHookFailed(Exception):
+    """A plugin's hook raised in this front (not a RouterError it meant): maybe it needs the model."""
+
+    def __init__(self, hook: str, error: ModelError) -> None:
+        super().__init__(error.detail)
+        self.hook, self.error = hook, error
+
+
+async def front_hook(work: Awaitable[T], hook: str) -> T:
+    """`work`, a hook run in this front; a plugin's own exception there is `FrontHookFailed`."""
+    try:
+        return await work
+    except ModelError as exc:  # HookRunner's word for a plugin's own exception
+        raise FrontHookFailed(hook, exc) from None

@@ -8,6 +8,11 @@
 - The engine that dies is started again the same way, and loads the fleet file anew; meanwhile
   every front answers 503 with Retry-After. Five engine deaths within a minute are a crash loop:
   everything is stopped and the parent exits 1, for the orchestrator to see.
+- The watchdog: the parent creates each engine's board and reads its heartbeat there. An engine
+  that has published nothing for `engine_hang_s` (stopped, or its event loop stuck) is killed, with
+  one `engine_hung` log line saying why, and restarted as one that died: what an orchestrator's
+  liveness probe would do, from inside the host. The fronts stopped trusting it long before
+  (`engine_stale_s`: 503 and not ready).
 - SIGTERM or SIGINT: the fronts drain (they stop taking requests and answer what they hold, which
   the engine finishes), then the engine stops; exit 0. SIGHUP goes to the engine (reload).
 
@@ -32,6 +37,7 @@ from pathlib import Path
 from types import FrameType
 
 from router.config import ServerSettings
+from router.host.board import BoardReader, create_board, silent_s
 from router.host.titles import set_title
 
 __all__ = ["ENGINE_DEATHS_LIMIT", "Child", "Supervisor", "restart_delay"]
@@ -78,6 +84,7 @@ class Supervisor:
         self._stopping = False
         self._reload = False
         self._epoch = 0
+        self._board: BoardReader | None = None  # the current engine's, for its heartbeat
         self.children: list[Child] = []
 
     # -- start --------------------------------------------------------------------------------
@@ -113,10 +120,17 @@ class Supervisor:
 
     def _start(self, child: Child, env: dict[str, str]) -> None:
         command = list(child.command)
+        handed: tuple[int, ...] = ()
         if child.role == "engine":
             self._epoch += 1
-            command += ["--epoch", str(self._epoch)]
-        child.process = subprocess.Popen(command, env=env, start_new_session=True)
+            board = create_board()  # a fresh one: its heartbeat counts from this engine's first publication
+            command += ["--epoch", str(self._epoch), "--board-fd", str(board)]
+            handed = (board,)
+        child.process = subprocess.Popen(command, env=env, start_new_session=True, pass_fds=handed)
+        if handed:
+            if self._board is not None:
+                self._board.close()
+            self._board = BoardReader(handed[0])  # maps it and closes the descriptor
         child.started_at = time.monotonic()
         child.restart_at = None
         log.info("started %s (pid %d)", child.role, child.process.pid)
@@ -174,7 +188,9 @@ class Supervisor:
             if now >= child.restart_at:
                 self._start(child, env)
             return "waiting"
-        if process is None or process.poll() is None:
+        if process is None:
+            return "alive"
+        if process.poll() is None and not (child.role == "engine" and self._hung(process, now)):
             return "alive"
         if now - child.started_at > HEALTHY_AFTER_S:
             child.deaths = 0
@@ -191,6 +207,24 @@ class Supervisor:
         child.restart_at = now + delay
         log.warning("restarting %s in %.1f s", child.role, delay)
         return "dead"
+
+    def _hung(self, engine: subprocess.Popen[bytes], now: float) -> bool:
+        """The watchdog: an engine silent for `engine_hang_s` is killed (and then restarted as one that died)."""
+        limit, board = self.settings.engine_hang_s, self._board
+        if not limit or board is None:
+            return False
+        silent = silent_s(board.header(), now)
+        if silent is None or silent < limit:
+            return False
+        log.error("the engine (pid %d) has published nothing for %.1f s (engine_hang_s %.1f): killing it, to start "
+                  "another", engine.pid, silent, limit,
+                  extra={"event": "engine_hung", "pid": engine.pid, "silent_s": round(silent, 3), "limit_s": limit})
+        engine.kill()
+        try:
+            engine.wait(5)
+        except subprocess.TimeoutExpired:  # not reaped yet: the next look kills it again
+            return False
+        return True
 
     # -- stop ---------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Prometheus metrics. Event metrics (histograms, counters) are recorded as things happen; state
 (queue depth, ledger, device memory) is read at scrape time from the runtime's owners.
 
-On a host split into processes (`workers: N`) every process records its events with
+On a host split into processes (`--workers N`) every process records its events with
 prometheus_client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, set by the parent for all of
 them), and any front's `/metrics` sums them at scrape time (`MultiProcessCollector`): the fronts'
 request counters and the engine's batch histograms alike. The state gauges come once, from the
@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+
+from router.errors import EngineUnavailable
 
 if TYPE_CHECKING:
     from router.serving.facade import ServingFacade
@@ -218,7 +220,11 @@ class _StateCollector(Collector):
         resident = GaugeMetricFamily("model_router_model_resident_bytes",
                                      "Weights an instance holds on its device (0 when not loaded).",
                                      labels=["model", "device"])
-        for model in runtime.models():
+        try:
+            models = runtime.models()
+        except EngineUnavailable:  # a split host's engine away or hung: the fronts' own counters still show
+            models = []
+        for model in models:
             depth.add_metric([model.name], model.queue_depth)
             capacity.add_metric([model.name], model.queue_capacity)
             state.add_metric([model.name, model.state], 1)

@@ -84,7 +84,8 @@ def run_server(app: Litestar, runtime: ServingFacade, settings: ServerSettings, 
     from their headers (`router.http.early`). uvicorn's own `limit_concurrency` is off: it counts
     idle connections too, and refuses liveness with the rest. `sockets`: listening sockets made by
     the caller (a front process of a split host) instead of the settings' host and port;
-    `max_connections`: this process's share of the setting."""
+    `max_connections`: this process's share of the setting. A client's address is the connection's
+    peer; X-Forwarded-For is read only with `proxy_headers` on, from `forwarded_allow_ips`."""
     limits = HttpLimits(max_header_bytes=settings.max_header_bytes, max_headers=settings.max_headers,
                         header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s,
                         max_connections=max_connections or settings.max_connections,
@@ -93,7 +94,8 @@ def run_server(app: Litestar, runtime: ServingFacade, settings: ServerSettings, 
                                                       app.state.pipelines))
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=5, access_log=False, http=protocol,
-                            ws="none", timeout_keep_alive=settings.keep_alive_s)
+                            ws="none", timeout_keep_alive=settings.keep_alive_s,
+                            proxy_headers=settings.proxy_headers, forwarded_allow_ips=settings.forwarded_allow_ips)
     server = DrainingServer(config, runtime, settings.drain_timeout_s)
     log.info("serving %s on http://%s:%d", settings.config, settings.host, settings.port)
     server.run(sockets=sockets)

@@ -1,31 +1,32 @@
 """System shared memory (the V2 shared-memory extension): regions clients register by the key of a
 POSIX shared memory object, and tensors read from and written to them by offset and size.
 
-What a client can reach: a key names one object directly under /dev/shm (`/name` or `name`: no
-other directory, no `..`, no symbolic link, only a regular file), and by default only a client on
-this host (a loopback peer) may use shared memory at all (`MODEL_ROUTER_SHARED_MEMORY`). Every
-read and write is checked against the registered region and goes through pread/pwrite on the
-object's file descriptor, never a mapping: an object that another process shrinks gives a short
-read and a clear error, not a SIGBUS. A region unregistered while a request uses it stays open
-until that request is done with it (each use holds a lease).
+Who may use it (docs/security.md, "Shared memory"): by default only a client on this host (a
+loopback peer; `MODEL_ROUTER_SHARED_MEMORY`). With keys set, every region belongs to the key that
+registered it: only that key sees it in status, reads or writes it, or unregisters it (a region's
+name is the owner's own: another key may register the same name). Registering needs an admin key
+unless `MODEL_ROUTER_SHARED_MEMORY_REGISTER=inference`. With no keys set every client is one
+owner, as in Triton: any client that may use shared memory sees and uses every region.
+
+What a key can reach: one object directly under /dev/shm (`/name` or `name`: no other directory, no
+`..`, no symbolic link, only a regular file), whose name starts with `MODEL_ROUTER_SHARED_MEMORY_PREFIX`
+and whose owner (fstat) is the server's uid or `MODEL_ROUTER_SHARED_MEMORY_OWNER_UID`. Every read
+and write is checked against the registered region and goes through pread/pwrite on the object's
+file descriptor, never a mapping: an object that another process shrinks gives a short read and a
+clear error, not a SIGBUS. A region unregistered while a request uses it stays open until that
+request is done with it (each use holds a lease).
 
 One registry per front process, shared by its HTTP and gRPC endpoints, owned by the app's
-lifespan (closed at shutdown). On a split host (`workers` > 1) the fronts share one table of
-registrations (`table`, a directory of the host's run directory: one small file per region, created
-with O_EXCL): a region registered through one front is read through any other, as a client whose
-next connection lands on another front expects; each front opens the object itself on first use and
-checks the table on every use, so an unregistration through one front holds for all of them.
+lifespan (closed at shutdown). On a split host the fronts share one table of registrations
+(`router.inference_protocol.shared_memory_table`).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import ipaddress
-import json
 import logging
 import os
-import secrets
 import stat
 import threading
 from collections.abc import Iterator
@@ -34,13 +35,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
 
+from router.config import ServerSettings
 from router.errors import Forbidden, InputError, PayloadTooLarge, RegionNotFound, Unimplemented, brief
+from router.inference_protocol.shared_memory_table import RegionEntry, RegionTable, already_registered
 
 __all__ = [
     "CUDA_UNSUPPORTED",
+    "Caller",
     "ClientRegions",
     "RegionSlice",
     "RegionStatus",
+    "RegisterRule",
     "SharedMemoryMode",
     "SharedMemoryRegistry",
     "is_local_client",
@@ -49,8 +54,10 @@ __all__ = [
 
 log = logging.getLogger("router.shared_memory")
 SharedMemoryMode = Literal["loopback", "any", "off"]
+RegisterRule = Literal["admin", "inference"]
 SHM_DIRECTORY: Final = Path("/dev/shm")
 MAX_REGIONS: Final = 256
+SERVER_UID: Final = os.geteuid()
 MAX_NAME: Final = 256
 CUDA_UNSUPPORTED: Final = ("CUDA shared memory is not supported by this server; send the tensor in the request or "
                            "in system shared memory")
@@ -73,8 +80,19 @@ class RegionStatus:
     byte_size: int
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who uses shared memory: the client's address (None: a Unix socket), the owner its key makes it
+    (an id of the key, never the key; '' with no keys set), and whether it may register regions."""
+
+    host: str | None
+    owner: str = ""
+    may_register: bool = True
+
+
 @dataclass
 class _Region:
+    owner: str
     status: RegionStatus
     fd: int
     writable: bool
@@ -98,44 +116,73 @@ def refuse_cuda() -> Unimplemented:
 
 
 class SharedMemoryRegistry:
-    """The registered regions of one front process. Registered and read from the event loop and from
-    decoding threads alike: one lock guards the map and the leases."""
+    """The registered regions of one front process, by owner and name. Registered and read from the
+    event loop and from decoding threads alike: one lock guards the map and the leases.
+
+    `register`: which keys may register (with keys set); `prefix`: what every object's name starts
+    with; `object_uid`: the uid that must own every object (None: any owner)."""
 
     def __init__(self, mode: SharedMemoryMode = "loopback", *, directory: Path = SHM_DIRECTORY,
-                 max_regions: int = MAX_REGIONS, table: Path | None = None) -> None:
+                 max_regions: int = MAX_REGIONS, table: Path | None = None, register: RegisterRule = "admin",
+                 prefix: str = "", object_uid: int | None = SERVER_UID) -> None:
         self.mode = mode
         self.directory = directory
         self.max_regions = max_regions
-        self.table = table  # the fronts' shared registrations on a split host; None: this process's own
-        if table is not None:
-            table.mkdir(parents=True, exist_ok=True)
-        self._regions: dict[str, _Region] = {}
+        self.register_rule = register
+        self.prefix = prefix
+        self.object_uid = object_uid
+        self.table = RegionTable(table) if table is not None else None  # None: this process's own
+        self._regions: dict[tuple[str, str], _Region] = {}
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: ServerSettings, *, table: Path | None = None) -> SharedMemoryRegistry:
+        """The registry the MODEL_ROUTER_SHARED_MEMORY* settings ask for."""
+        uid = settings.shared_memory_owner_uid
+        return cls(settings.shared_memory, table=table, register=settings.shared_memory_register,
+                   prefix=settings.shared_memory_prefix,
+                   object_uid=None if uid == "any" else SERVER_UID if uid == "server" else uid)
 
     # -- who may use it ----------------------------------------------------------------------------
 
-    def check_client(self, host: str | None) -> None:
+    def caller(self, host: str | None, owner: str, admin: bool) -> Caller:
+        """The caller a client is: `owner` names the key it presented ('' with no keys set, when
+        `admin` is true too), `admin` whether that key is an admin key."""
+        return Caller(host, owner, admin or self.register_rule == "inference")
+
+    def check_client(self, caller: Caller) -> None:
         """Refuse (403) a client that this server's setting keeps away from shared memory."""
         if self.mode == "off":
             raise Forbidden("shared memory is turned off on this server (MODEL_ROUTER_SHARED_MEMORY=off)")
-        if self.mode == "loopback" and not is_local_client(host):
-            raise Forbidden(f"shared memory is only for clients on this host; {brief(host, 60)} is not a loopback "
-                            "address (MODEL_ROUTER_SHARED_MEMORY=any allows every client)")
+        if self.mode == "loopback" and not is_local_client(caller.host):
+            raise Forbidden(f"shared memory is only for clients on this host; {brief(caller.host, 60)} is not a "
+                            "loopback address (MODEL_ROUTER_SHARED_MEMORY=any allows every client)")
 
-    def for_client(self, host: str | None, read_limit: int) -> ClientRegions:
-        return ClientRegions(self, host, read_limit)
+    def check_may_register(self, caller: Caller) -> None:
+        self.check_client(caller)
+        if not caller.may_register:
+            raise Forbidden("registering shared memory needs an admin key "
+                            "(MODEL_ROUTER_SHARED_MEMORY_REGISTER=inference lets inference keys register)")
+
+    def for_client(self, caller: Caller, read_limit: int) -> ClientRegions:
+        return ClientRegions(self, caller, read_limit)
 
     # -- register, status, unregister ----------------------------------------------------------------
 
-    def register(self, name: str, key: str, offset: int, byte_size: int) -> RegionStatus:
+    def register(self, caller: Caller, name: str, key: str, offset: int, byte_size: int) -> RegionStatus:
         """Open the object `key` under the shared memory directory and register `byte_size` bytes of
-        it from `offset` as region `name`. InputError for every way it can be wrong."""
+        it from `offset` as the caller's region `name`. Forbidden (403) for a caller or an object this
+        server's settings refuse; InputError for every other way it can be wrong."""
+        self.check_may_register(caller)
         _check_name(name)
         filename = _object_name(key)
+        if not filename.startswith(self.prefix):
+            raise Forbidden(f"shared memory key {brief(key, 80)}: this server registers only objects whose name starts "
+                            f"with {self.prefix!r} (MODEL_ROUTER_SHARED_MEMORY_PREFIX)")
         if byte_size <= 0 or offset < 0:
             raise InputError(f"region {brief(name, 64)}: offset must be >= 0 and byte_size > 0, got {offset} and {byte_size}")
         with self._lock:
-            self._check_room(name)
+            self._check_room(caller.owner, name)
         fd, writable = self._open(filename, key)
         try:
             size = os.fstat(fd).st_size
@@ -144,9 +191,9 @@ class SharedMemoryRegistry:
                                  f"{brief(key, 80)} ({size} bytes)")
             status = RegionStatus(name, key, offset, byte_size)
             with self._lock:
-                self._check_room(name)  # again: another registration may have won while the file opened
-                token = self._publish(status) if self.table is not None else ""
-                self._regions[name] = _Region(status, fd, writable, token=token)
+                self._check_room(caller.owner, name)  # again: another registration may have won while the file opened
+                token = self.table.publish(caller.owner, name, key, offset, byte_size).token if self.table is not None else ""
+                self._regions[caller.owner, name] = _Region(caller.owner, status, fd, writable, token=token)
         except BaseException:
             os.close(fd)
             raise
@@ -154,18 +201,18 @@ class SharedMemoryRegistry:
                                                            "byte_size": byte_size, "writable": writable})
         return status
 
-    def _check_room(self, name: str) -> None:
+    def _check_room(self, owner: str, name: str) -> None:
         if self.table is not None:
             self._sync_with_table()
-        if name in self._regions:
-            raise InputError(f"a shared memory region named {brief(name, 64)} is registered already; unregister it first")
-        if len(self._regions) >= self.max_regions or (self.table is not None and
-                                                       len(self._table_files()) >= self.max_regions):
+        if (owner, name) in self._regions:
+            raise already_registered(name)
+        if len(self._regions) >= self.max_regions or (self.table is not None and self.table.count() >= self.max_regions):
             raise InputError(f"{self.max_regions} shared memory regions are registered, the most this server holds; "
                              "unregister one first")
 
     def _open(self, filename: str, key: str) -> tuple[int, bool]:
-        """The object's file descriptor, read-write where allowed, else read-only."""
+        """The object's file descriptor, read-write where allowed, else read-only; a file that is not
+        a regular file, or not owned by the uid the settings allow, is refused."""
         try:
             directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
@@ -178,75 +225,46 @@ class SharedMemoryRegistry:
                     continue
                 except OSError as exc:
                     raise _open_error(key, exc) from None
-                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                try:
+                    self._check_object(os.fstat(fd), key)
+                except BaseException:
                     os.close(fd)
-                    raise InputError(f"shared memory key {brief(key, 80)} is not a regular file under /dev/shm")
+                    raise
                 return fd, writable
             raise InputError(f"shared memory key {brief(key, 80)}: permission denied")
         finally:
             os.close(directory)
 
+    def _check_object(self, info: os.stat_result, key: str) -> None:
+        if not stat.S_ISREG(info.st_mode):
+            raise InputError(f"shared memory key {brief(key, 80)} is not a regular file under /dev/shm")
+        if self.object_uid is not None and info.st_uid != self.object_uid:
+            raise Forbidden(f"shared memory object {brief(key, 80)} is owned by uid {info.st_uid}; this server uses only "
+                            f"objects owned by uid {self.object_uid} (MODEL_ROUTER_SHARED_MEMORY_OWNER_UID)")
+
     # -- the fronts' shared table (split host) ----------------------------------------------------
 
-    def _entry_path(self, name: str) -> Path:
-        assert self.table is not None
-        return self.table / (hashlib.sha256(name.encode()).hexdigest() + ".json")
-
-    def _publish(self, status: RegionStatus) -> str:
-        """Write the registration to the table, failing as 'registered already' where another front
-        won the name (O_EXCL). Returns the entry's token (a re-registration gets a new one)."""
-        token = secrets.token_hex(8)
-        entry = {"name": status.name, "key": status.key, "offset": status.offset, "byte_size": status.byte_size,
-                 "token": token}
-        try:
-            fd = os.open(self._entry_path(status.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            raise InputError(f"a shared memory region named {brief(status.name, 64)} is registered already; "
-                             "unregister it first") from None
-        with os.fdopen(fd, "w") as out:
-            json.dump(entry, out)
-        return token
-
-    def _table_files(self) -> list[Path]:
-        """The table's entries in the order they were registered (a file gone meanwhile: left out)."""
-        assert self.table is not None
-        dated = []
-        for path in self.table.glob("*.json"):
-            try:
-                dated.append((path.stat().st_mtime_ns, path))
-            except FileNotFoundError:
-                continue
-        return [path for _, path in sorted(dated)]
-
-    @staticmethod
-    def _read_entry(path: Path) -> dict | None:
-        try:
-            entry = json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None  # being written, or gone
-        return entry if isinstance(entry, dict) and "token" in entry else None
-
-    def _sync_with_table(self, only: str | None = None) -> None:
+    def _sync_with_table(self, only: tuple[str, str] | None = None) -> None:
         """Retire local regions the table no longer holds (unregistered through another front), or
         holds under another token (registered again). Called with the lock held."""
-        names = [only] if only is not None else list(self._regions)
-        for name in names:
-            region = self._regions.get(name)
+        assert self.table is not None
+        for owner, name in [only] if only is not None else list(self._regions):
+            region = self._regions.get((owner, name))
             if region is None:
                 continue
-            entry = self._read_entry(self._entry_path(name))
-            if entry is None or entry["token"] != region.token:
-                self._retire(self._regions.pop(name))
+            entry = self.table.entry(owner, name)
+            if entry is None or entry.token != region.token:
+                self._retire(self._regions.pop((owner, name)))
 
-    def _adopt(self, name: str) -> _Region | None:
+    def _adopt(self, owner: str, name: str) -> _Region | None:
         """The region another front registered, opened here on first use. Called with the lock held."""
-        entry = self._read_entry(self._entry_path(name))
+        assert self.table is not None
+        entry = self.table.entry(owner, name)
         if entry is None:
             return None
-        status = RegionStatus(entry["name"], entry["key"], int(entry["offset"]), int(entry["byte_size"]))
-        fd, writable = self._open(_object_name(status.key), status.key)
-        region = _Region(status, fd, writable, token=entry["token"])
-        self._regions[name] = region
+        fd, writable = self._open(_object_name(entry.key), entry.key)
+        region = _Region(owner, _status_of(entry), fd, writable, token=entry.token)
+        self._regions[owner, name] = region
         return region
 
     @staticmethod
@@ -255,56 +273,56 @@ class SharedMemoryRegistry:
         if region.users == 0:
             os.close(region.fd)
 
-    def status(self, name: str | None = None) -> list[RegionStatus]:
-        """Every region, or the one named (404 when it is not registered)."""
+    def status(self, caller: Caller, name: str | None = None) -> list[RegionStatus]:
+        """The caller's regions, or its one named (404 when it has none of that name)."""
+        self.check_client(caller)
         if self.table is not None:
-            entries = [self._read_entry(path) for path in self._table_files()]
-            found = [RegionStatus(e["name"], e["key"], int(e["offset"]), int(e["byte_size"])) for e in entries if e]
-            if not name:
-                return found
-            named = [status for status in found if status.name == name]
-            if not named:
-                raise _not_registered(name)
-            return named
-        with self._lock:
-            if not name:
-                return [region.status for region in self._regions.values()]
-            region = self._regions.get(name)
-        if region is None:
+            found = [_status_of(entry) for entry in self.table.entries(caller.owner)]
+        else:
+            with self._lock:
+                found = [region.status for region in self._regions.values() if region.owner == caller.owner]
+        if not name:
+            return found
+        named = [status for status in found if status.name == name]
+        if not named:
             raise _not_registered(name)
-        return [region.status]
+        return named
 
-    def unregister(self, name: str | None = None, *, everywhere: bool = True) -> None:
-        """Unregister one region, or every one (no name). Unknown names are not an error, as in Triton.
-        On a split host this takes it out of the shared table too, unless `everywhere` is False (a
-        front closing at shutdown lets go of its own file descriptors only)."""
+    def unregister(self, caller: Caller, name: str | None = None) -> None:
+        """Unregister one of the caller's regions, or every one (no name). Unknown names are not an
+        error, as in Triton. On a split host this takes it out of the shared table too."""
+        self.check_client(caller)
         with self._lock:
-            if self.table is not None and everywhere:
-                for path in ([self._entry_path(name)] if name else self._table_files()):
-                    path.unlink(missing_ok=True)
-            names = [name] if name else list(self._regions)
-            retired = [self._regions.pop(n) for n in names if n in self._regions]
-            for region in retired:
-                self._retire(region)
-        for region in retired:
-            log.info("shared memory region unregistered", extra={"region": region.status.name[:64]})
+            if self.table is not None:
+                for each in [name] if name else [entry.name for entry in self.table.entries(caller.owner)]:
+                    self.table.remove(caller.owner, each)
+            names = [(caller.owner, name)] if name else [key for key in self._regions if key[0] == caller.owner]
+            self._release(names)
 
     def close(self) -> None:
-        """Unregister everything (at shutdown); a front of a split host closes only its own descriptors
-        (the table outlives a front that restarts, and goes with the host's run directory)."""
-        self.unregister(None, everywhere=False)
+        """Let go of every region (at shutdown). A front of a split host closes only its own
+        descriptors: the table outlives a front that restarts, and goes with the host's run directory."""
+        with self._lock:
+            self._release(list(self._regions))
+
+    def _release(self, keys: list[tuple[str, str]]) -> None:
+        """Called with the lock held."""
+        retired = [self._regions.pop(key) for key in keys if key in self._regions]
+        for region in retired:
+            self._retire(region)
+            log.info("shared memory region unregistered", extra={"region": region.status.name[:64]})
 
     # -- reading and writing -------------------------------------------------------------------------
 
     @contextmanager
-    def _lease(self, part: RegionSlice, where: str) -> Iterator[_Region]:
-        """The region, held open for the duration: unregistering it meanwhile closes it afterwards."""
+    def _lease(self, owner: str, part: RegionSlice, where: str) -> Iterator[_Region]:
+        """The owner's region, held open for the duration: unregistering it meanwhile closes it afterwards."""
         with self._lock:
             if self.table is not None:
-                self._sync_with_table(part.region)
-            region = self._regions.get(part.region)
+                self._sync_with_table((owner, part.region))
+            region = self._regions.get((owner, part.region))
             if region is None and self.table is not None:
-                region = self._adopt(part.region)
+                region = self._adopt(owner, part.region)
             if region is None:
                 raise InputError(f"{where}: no shared memory region named {brief(part.region, 64)} is registered")
             region.users += 1
@@ -320,9 +338,9 @@ class SharedMemoryRegistry:
                 if region.retired and region.users == 0:
                     os.close(region.fd)
 
-    def read(self, part: RegionSlice, where: str) -> bytes:
-        """The slice's bytes, copied out of the object."""
-        with self._lease(part, where) as region:
+    def read(self, owner: str, part: RegionSlice, where: str) -> bytes:
+        """The slice's bytes of the owner's region, copied out of the object."""
+        with self._lease(owner, part, where) as region:
             start = region.status.offset + part.offset
             chunks, done = [], 0
             while done < part.byte_size:
@@ -334,11 +352,11 @@ class SharedMemoryRegistry:
                 done += len(chunk)
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def write(self, part: RegionSlice, data: bytes, where: str) -> None:
-        """Write `data` at the slice's start; it must fit the slice."""
+    def write(self, owner: str, part: RegionSlice, data: bytes, where: str) -> None:
+        """Write `data` at the slice's start in the owner's region; it must fit the slice."""
         if len(data) > part.byte_size:
             raise InputError(f"{where}: the output needs {len(data)} bytes, shared_memory_byte_size is {part.byte_size}")
-        with self._lease(part, where) as region:
+        with self._lease(owner, part, where) as region:
             if not region.writable:
                 raise InputError(f"{where}: region {brief(part.region, 64)} is read-only to this server")
             start = region.status.offset + part.offset
@@ -348,24 +366,25 @@ class SharedMemoryRegistry:
 
 
 class ClientRegions:
-    """One request's use of shared memory: its client's permission checked at first use, and at most
-    `read_limit` bytes read in all (the body limit: reading a region costs the server the same memory)."""
+    """One request's use of shared memory: its caller's permission checked at first use, only the
+    caller's own regions, and at most `read_limit` bytes read in all (the body limit: reading a
+    region costs the server the same memory)."""
 
-    def __init__(self, registry: SharedMemoryRegistry, host: str | None, read_limit: int) -> None:
-        self.registry, self.host, self.read_limit = registry, host, read_limit
+    def __init__(self, registry: SharedMemoryRegistry, caller: Caller, read_limit: int) -> None:
+        self.registry, self.caller, self.read_limit = registry, caller, read_limit
         self.bytes_read = 0
 
     def read(self, part: RegionSlice, where: str) -> bytes:
-        self.registry.check_client(self.host)
+        self.registry.check_client(self.caller)
         if self.bytes_read + part.byte_size > self.read_limit:
             raise PayloadTooLarge(f"{where}: the request's shared memory inputs come to more than {self.read_limit} bytes")
-        data = self.registry.read(part, where)
+        data = self.registry.read(self.caller.owner, part, where)
         self.bytes_read += len(data)
         return data
 
     def write(self, part: RegionSlice, data: bytes, where: str) -> None:
-        self.registry.check_client(self.host)
-        self.registry.write(part, data, where)
+        self.registry.check_client(self.caller)
+        self.registry.write(self.caller.owner, part, data, where)
 
 
 def _check_name(name: str) -> None:
@@ -390,6 +409,10 @@ def _open_error(key: str, exc: OSError) -> InputError:
     if exc.errno == errno.EISDIR:
         return InputError(f"shared memory key {brief(key, 80)} is not a regular file under /dev/shm")
     return InputError(f"shared memory key {brief(key, 80)} cannot be opened: {exc.strerror}")
+
+
+def _status_of(entry: RegionEntry) -> RegionStatus:
+    return RegionStatus(entry.name, entry.key, entry.offset, entry.byte_size)
 
 
 def _not_registered(name: str) -> RegionNotFound:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from router.errors import ModelNotFound
+from router.errors import EngineUnavailable, ModelNotFound
 from router.inference_protocol import repository
 from router.inference_protocol.submission import Entry
 from router.sdk.plugin import Payload
@@ -81,10 +81,11 @@ def find_target(runtime: ServingFacade, pipelines: Pipelines, name: str, version
 
 
 def is_ready(runtime: ServingFacade, pipelines: Pipelines, name: str, version: str | None = None) -> bool:
-    """Whether `name` serves; an unknown name or version is not ready (as tritonclient.http reads a 404)."""
+    """Whether `name` serves; an unknown name or version is not ready (as tritonclient.http reads a 404),
+    nor is any while a split host's engine is away."""
     try:
         return find_target(runtime, pipelines, name, version).serving
-    except ModelNotFound:
+    except (ModelNotFound, EngineUnavailable):
         return False
 
 

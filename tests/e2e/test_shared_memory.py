@@ -55,15 +55,6 @@ def module(protocol: str) -> Any:
     return grpcclient if protocol == "grpc" else httpclient
 
 
-@pytest.fixture
-def regions() -> Iterator[list[Any]]:
-    """Shared memory objects a test creates, destroyed afterwards."""
-    made: list[Any] = []
-    yield made
-    for handle in made:
-        shm.destroy_shared_memory_region(handle)
-
-
 def region(made: list[Any], size: int) -> tuple[Any, str, str]:
     name = f"r-{uuid.uuid4().hex[:8]}"
     key = f"/model-router-test-{uuid.uuid4().hex}"

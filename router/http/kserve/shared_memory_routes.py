@@ -10,14 +10,16 @@ from typing import Any
 from litestar import MediaType, Request, Response, get, post
 from litestar.params import FromPath
 
+from router.access import AccessPolicy
 from router.errors import InputError, brief
-from router.http.kserve.bounded_json import loads_bounded
 from router.inference_protocol.shared_memory import (
+    Caller,
     ClientRegions,
     RegionStatus,
     SharedMemoryRegistry,
     refuse_cuda,
 )
+from router.sdk.bounded_json import loads_bounded
 
 __all__ = ["SHARED_MEMORY_ROUTES", "client_regions", "registry_of"]
 
@@ -27,19 +29,18 @@ def registry_of(request: Request[Any, Any, Any]) -> SharedMemoryRegistry:
     return registry
 
 
-def _client_host(request: Request[Any, Any, Any]) -> str | None:
-    return request.client.host if request.client is not None else None
+def _caller(request: Request[Any, Any, Any]) -> Caller:
+    """The request's client as shared memory knows it: its address (the connection's peer, or the
+    proxy's X-Forwarded-For where MODEL_ROUTER_PROXY_HEADERS trusts it) and the key it presented."""
+    policy: AccessPolicy = request.app.state.access_policy
+    holder = policy.holder(tuple(request.headers.getall("authorization", ())))
+    host = request.client.host if request.client is not None else None
+    return registry_of(request).caller(host, holder.id, holder.admin)
 
 
 def client_regions(request: Request[Any, Any, Any], read_limit: int) -> ClientRegions:
     """The regions as this request's client may use them (its address checked at first use)."""
-    return registry_of(request).for_client(_client_host(request), read_limit)
-
-
-def _checked_registry(request: Request[Any, Any, Any]) -> SharedMemoryRegistry:
-    registry = registry_of(request)
-    registry.check_client(_client_host(request))
-    return registry
+    return registry_of(request).for_client(_caller(request), read_limit)
 
 
 def _ok() -> Response[bytes]:
@@ -53,13 +54,14 @@ def _status_json(regions: list[RegionStatus]) -> list[dict[str, Any]]:
 @get(["/systemsharedmemory/status", "/systemsharedmemory/region/{name:str}/status"],
      summary="V2 system shared memory: the registered regions")
 async def system_status(request: Request[Any, Any, Any]) -> list[dict[str, Any]]:
-    return _status_json(_checked_registry(request).status(request.path_params.get("name")))
+    return _status_json(registry_of(request).status(_caller(request), request.path_params.get("name")))
 
 
 @post("/systemsharedmemory/region/{name:str}/register", status_code=200,
       summary="V2 system shared memory: register a region of a POSIX shared memory object under /dev/shm")
 async def system_register(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[bytes]:
-    registry = _checked_registry(request)
+    registry, caller = registry_of(request), _caller(request)
+    registry.check_may_register(caller)  # before reading the body
     spec = loads_bounded(await request.body(), "the register request", expected='JSON like {"key": ..., "byte_size": ...}')
     if not isinstance(spec, dict):
         raise InputError(f"the register request must be a JSON object, got {brief(spec)}")
@@ -69,14 +71,14 @@ async def system_register(name: FromPath[str], request: Request[Any, Any, Any]) 
     for field, value in (("offset", offset), ("byte_size", size)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise InputError(f"the register request's {field!r} must be an integer, got {brief(value, 40)}")
-    registry.register(name, key, offset, size)
+    registry.register(caller, name, key, offset, size)
     return _ok()
 
 
 @post(["/systemsharedmemory/unregister", "/systemsharedmemory/region/{name:str}/unregister"], status_code=200,
       summary="V2 system shared memory: unregister one region, or every one")
 async def system_unregister(request: Request[Any, Any, Any]) -> Response[bytes]:
-    _checked_registry(request).unregister(request.path_params.get("name"))
+    registry_of(request).unregister(_caller(request), request.path_params.get("name"))
     return _ok()
 
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.sdk import DeviceOutOfMemory, InputError, MemoryEstimate, ModelPlugin, Payload
+from router.sdk import DeviceOutOfMemory, InputError, MemoryEstimate, ModelPlugin, Payload, loads_bounded
 
 #: What loads and batches wait their cost with, and what their records' times read.
 sleep: Callable[[float], None] = time.sleep
@@ -43,6 +43,7 @@ class ScriptedOptions(BaseModel):
     slow_first: int = Field(0, ge=0, description="this many first batches after warm-up cost slow_factor times more")
     slow_factor: float = Field(1.0, ge=1.0, description="a cold start under load: lazy set-up, cold caches, contention")
     record: str | None = None
+    stdlib_json: bool = Field(False, description="parse with json.loads, as a plugin that skips the SDK's loader")
 
 
 class ScriptedPlugin(ModelPlugin[ScriptedOptions]):
@@ -60,10 +61,13 @@ class ScriptedPlugin(ModelPlugin[ScriptedOptions]):
 
     def preprocess(self, payload: Payload) -> str:
         if payload.media_type.startswith("application/json"):
+            expected = 'JSON like {"id": "..."}'
             try:
-                return str(json.loads(payload.body)["id"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise InputError(f'expected JSON like {{"id": "..."}}: {exc}') from None
+                parsed = json.loads(payload.body) if self.options.stdlib_json else loads_bounded(
+                    payload.body, "the input", expected=expected)
+                return str(parsed["id"])
+            except (KeyError, TypeError) as exc:
+                raise InputError(f"expected {expected}: {exc}") from None
         return payload.body.decode("utf-8", "replace")[:64]
 
     def predict_batch(self, items: Sequence[str]) -> list[dict[str, Any]]:

@@ -1,0 +1,18 @@
+"""Fixtures the end-to-end tests share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import tritonclient.utils.shared_memory as shm
+
+
+@pytest.fixture
+def regions() -> Iterator[list[Any]]:
+    """Shared memory objects (tritonclient handles) a test creates, destroyed afterwards."""
+    made: list[Any] = []
+    yield made
+    for handle in made:
+        shm.destroy_shared_memory_region(handle)
