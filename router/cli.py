@@ -61,7 +61,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         configure_logging(settings.log_level, settings.log_format, role="parent")
         log.info(policy.describe())
-        return Supervisor(settings, workers).run()
+        try:
+            return Supervisor(settings, workers).run()
+        except ConfigError as exc:  # a port another process has
+            return _refuse(exc)
     configure_logging(settings.log_level, settings.log_format)
     threads = count_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
     apply_threads(threads)

@@ -44,13 +44,14 @@ class GrpcServer:
     """Start and stop the gRPC endpoint; `port` is the one bound (the setting's, or the system's choice for 0)."""
 
     def __init__(self, service: InferenceService, health: ReadinessHealth, *, host: str, port: int,
-                 max_message_bytes: int, max_concurrent_rpcs: int, arrival: MessageArrival) -> None:
+                 max_message_bytes: int, max_concurrent_rpcs: int, arrival: MessageArrival,
+                 reuse_port: bool = False) -> None:
         self.service, self.health, self.arrival = service, health, arrival
         self.address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
         self.options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.so_reuseport", 1),
+            ("grpc.so_reuseport", int(reuse_port)),  # on: fronts of a split host share it; off: a taken port fails
         ]
         self.max_concurrent_rpcs = max_concurrent_rpcs
         self.port: int | None = None
@@ -77,10 +78,12 @@ class GrpcServer:
 
 
 def grpc_server(runtime: ServingFacade, settings: ServerSettings, policy: AccessPolicy,
-                shared_memory: SharedMemoryRegistry, pipelines: Pipelines, tracing: Tracing | None = None) -> GrpcServer:
+                shared_memory: SharedMemoryRegistry, pipelines: Pipelines, tracing: Tracing | None = None, *,
+                reuse_port: bool = False) -> GrpcServer:
     """The gRPC endpoint the settings ask for (`grpc_port`; the caller skips it for 0). `pipelines`:
     the runner the HTTP app serves pipelines with (one per process: its counters are the pipelines');
-    `tracing`: spans for calls, as the app's for requests."""
+    `tracing`: spans for calls, as the app's for requests; `reuse_port`: share the port with the
+    other fronts of a split host (whose parent holds it), else a port another process has fails."""
     inference = Inference(runtime, pipelines, shared_memory, policy, max_message_bytes=settings.max_body_bytes,
                           max_items=settings.max_items, frames_in_flight=settings.grpc_stream_frames, tracing=tracing)
     keyless = OpenStreams(settings.grpc_keyless_streams_per_connection,
@@ -90,4 +93,4 @@ def grpc_server(runtime: ServingFacade, settings: ServerSettings, policy: Access
                              timeout_s=settings.body_timeout_s)
     return GrpcServer(service, ReadinessHealth(runtime, pipelines, policy, SERVICE_NAME, keyless), host=settings.host,
                       port=settings.grpc_port, max_message_bytes=settings.max_body_bytes,
-                      max_concurrent_rpcs=settings.max_connections, arrival=arrival)
+                      max_concurrent_rpcs=settings.max_connections, arrival=arrival, reuse_port=reuse_port)

@@ -1,8 +1,10 @@
 """The parent of a split host: it holds the port, starts one engine and N fronts, and watches them.
 
-- The port: a socket bound with SO_REUSEPORT that never listens (the kernel queues connections
-  only on listening sockets, the fronts'), so a taken port fails here, before anything starts, and
-  stays ours while a front restarts.
+- The settings: resolved once, by `model-router serve`, and handed to every child whole
+  (`router.host.handover`): a flag reaches the engine and every front alike.
+- The ports, HTTP and gRPC: sockets bound with SO_REUSEPORT that never listen (the kernel queues
+  connections only on listening sockets, the fronts'), so a port another process has fails here,
+  before anything starts, and stays ours while a front restarts.
 - A front that dies is started again (after 0.5 s, doubling to 10 s while it keeps dying); its
   clients' connections were reset, nothing else is lost.
 - The engine that dies is started again the same way, and loads the fleet file anew; meanwhile
@@ -38,6 +40,7 @@ from types import FrameType
 
 from router.config import ServerSettings
 from router.host.board import BoardReader, create_board, silent_s
+from router.host.handover import hold_port, write_settings
 from router.host.titles import set_title
 
 __all__ = ["ENGINE_DEATHS_LIMIT", "Child", "Supervisor", "restart_delay"]
@@ -80,7 +83,8 @@ class Supervisor:
         self.socket_path = self.run_dir / "engine.sock"
         self.metrics_dir = self.run_dir / "metrics"
         self.metrics_dir.mkdir()
-        self._port_holder: socket.socket | None = None
+        self.settings_path = self.run_dir / "settings.json"
+        self._port_holders: list[socket.socket] = []
         self._stopping = False
         self._reload = False
         self._epoch = 0
@@ -89,32 +93,26 @@ class Supervisor:
 
     # -- start --------------------------------------------------------------------------------
 
-    def _hold_port(self) -> int:
-        host, port = self.settings.host, self.settings.port
-        holder = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        holder.bind((host, port))
-        self._port_holder = holder
-        return int(holder.getsockname()[1])
+    def _hold_ports(self) -> ServerSettings:
+        """Hold the HTTP and gRPC ports; the settings every child gets (with the port bound, for port 0)."""
+        host = self.settings.host
+        http = hold_port(host, self.settings.port, "MODEL_ROUTER_PORT (--port)")
+        self._port_holders.append(http)
+        if self.settings.grpc_port:
+            self._port_holders.append(hold_port(host, self.settings.grpc_port, "MODEL_ROUTER_GRPC_PORT (--grpc-port)"))
+        return self.settings.model_copy(update={"port": int(http.getsockname()[1]), "workers": self.workers,
+                                                "config": Path(self.settings.config).resolve()})
 
-    def _environment(self, port: int) -> dict[str, str]:
+    def _environment(self) -> dict[str, str]:
         env = {key: value for key, value in os.environ.items() if key != "PROMETHEUS_MULTIPROC_DIR"}
-        env.update({
-            "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir),
-            "MODEL_ROUTER_HOST": self.settings.host,
-            "MODEL_ROUTER_PORT": str(port),
-            "MODEL_ROUTER_CONFIG": str(Path(self.settings.config).resolve()),
-            "MODEL_ROUTER_WORKERS": str(self.workers),
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update({"PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir), "PYTHONUNBUFFERED": "1"})
         return env
 
     def _commands(self) -> list[Child]:
         python, parent, path = sys.executable, str(os.getpid()), str(self.socket_path)
-        engine = Child("engine", [python, "-m", "router.host.engine_main", "--socket", path, "--parent", parent])
-        fronts = [Child(f"front {i}", [python, "-m", "router.host.front_main", "--index", str(i), "--socket", path,
-                                       "--parent", parent, "--workers", str(self.workers)])
+        common = ["--socket", path, "--parent", parent, "--settings", str(self.settings_path)]
+        engine = Child("engine", [python, "-m", "router.host.engine_main", *common])
+        fronts = [Child(f"front {i}", [python, "-m", "router.host.front_main", "--index", str(i), *common])
                   for i in range(1, self.workers + 1)]
         return [engine, *fronts]
 
@@ -140,15 +138,16 @@ class Supervisor:
     def run(self) -> int:
         """Serve until a signal; the exit status."""
         set_title("parent")
-        port = self._hold_port()
-        env = self._environment(port)
+        env = self._environment()
         self.children = self._commands()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
-        log.info("serving %s on http://%s:%d with %d front process(es) and one engine", self.settings.config,
-                 self.settings.host, port, self.workers)
         try:
+            settings = self._hold_ports()  # ConfigError: a port is taken
+            write_settings(settings, self.settings_path)
+            log.info("serving %s on http://%s:%d with %d front process(es) and one engine", settings.config,
+                     settings.host, settings.port, self.workers)
             for child in self.children:
                 self._start(child, env)
             status = self._watch(env)
@@ -234,8 +233,8 @@ class Supervisor:
         engine = self.children[0].process if self.children else None
         _terminate(fronts, self.settings.drain_timeout_s + 10.0)
         _terminate([engine] if engine is not None else [], 30.0)
-        if self._port_holder is not None:
-            self._port_holder.close()
+        for holder in self._port_holders:
+            holder.close()
 
 
 def _terminate(processes: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
