@@ -5,7 +5,12 @@ It is a `router.http.app.Listener`: the app's lifespan starts it after the servi
 it after the drain, so every process that serves the app serves gRPC too. grpcio sets
 SO_REUSEPORT on Linux, so several such processes can share the port. Messages are limited to the
 HTTP body limit in both directions, and concurrent RPCs to `max_connections` (RESOURCE_EXHAUSTED
-beyond).
+beyond). Calls without an inference key that stay open take at most a quarter of those each:
+long streams, health Watch and, on a server without keys, ModelStreamInfer (`grpc_keyless_streams`,
+`grpc_keyless_streams_per_connection` on one connection; more are refused, `router.grpc.streams`),
+and calls whose request message has not
+arrived (`grpc_keyless_awaited`; one more ends the longest-waiting one, and a message must arrive
+within `body_timeout_s`, `router.grpc.arrival`); so probes and keyed calls always have room.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ from grpc_health.v1 import health_pb2_grpc
 from router.access import AccessPolicy
 from router.config import ServerSettings
 from router.errors import ConfigError
+from router.grpc.arrival import MessageArrival
 from router.grpc.health import ReadinessHealth
 from router.grpc.inference import Inference
 from router.grpc.service import SERVICE_NAME, InferenceService
+from router.grpc.streams import OpenStreams, share
 from router.inference_protocol.shared_memory import SharedMemoryRegistry
 from router.inference_protocol.targets import Pipelines
 from router.serving.facade import ServingFacade
@@ -37,8 +44,9 @@ class GrpcServer:
     """Start and stop the gRPC endpoint; `port` is the one bound (the setting's, or the system's choice for 0)."""
 
     def __init__(self, service: InferenceService, health: ReadinessHealth, *, host: str, port: int,
-                 max_message_bytes: int, max_concurrent_rpcs: int, reuse_port: bool = False) -> None:
-        self.service, self.health = service, health
+                 max_message_bytes: int, max_concurrent_rpcs: int, arrival: MessageArrival,
+                 reuse_port: bool = False) -> None:
+        self.service, self.health, self.arrival = service, health, arrival
         self.address = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
         self.options = [
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -50,7 +58,8 @@ class GrpcServer:
         self._server: aio.Server | None = None
 
     async def start(self) -> None:
-        server = aio.server(options=self.options, maximum_concurrent_rpcs=self.max_concurrent_rpcs)
+        server = aio.server(options=self.options, maximum_concurrent_rpcs=self.max_concurrent_rpcs,
+                            interceptors=(self.arrival,))
         server.add_generic_rpc_handlers((self.service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
@@ -77,7 +86,11 @@ def grpc_server(runtime: ServingFacade, settings: ServerSettings, policy: Access
     other fronts of a split host (whose parent holds it), else a port another process has fails."""
     inference = Inference(runtime, pipelines, shared_memory, policy, max_message_bytes=settings.max_body_bytes,
                           max_items=settings.max_items, frames_in_flight=settings.grpc_stream_frames, tracing=tracing)
-    service = InferenceService(runtime, pipelines, inference, shared_memory, policy, tracing)
-    return GrpcServer(service, ReadinessHealth(runtime, pipelines, policy, SERVICE_NAME), host=settings.host,
+    keyless = OpenStreams(settings.grpc_keyless_streams_per_connection,
+                          share(settings.grpc_keyless_streams, settings.max_connections))
+    service = InferenceService(runtime, pipelines, inference, shared_memory, policy, tracing, keyless=keyless)
+    arrival = MessageArrival(policy, limit=share(settings.grpc_keyless_awaited, settings.max_connections),
+                             timeout_s=settings.body_timeout_s)
+    return GrpcServer(service, ReadinessHealth(runtime, pipelines, policy, SERVICE_NAME, keyless), host=settings.host,
                       port=settings.grpc_port, max_message_bytes=settings.max_body_bytes,
-                      max_concurrent_rpcs=settings.max_connections, reuse_port=reuse_port)
+                      max_concurrent_rpcs=settings.max_connections, arrival=arrival, reuse_port=reuse_port)
