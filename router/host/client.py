@@ -38,25 +38,11 @@ from router.host.board import BoardReader
 from router.host.exchange import GRACE_S, Exchanges, engine_gone
 from router.host.front_models import FrontHookFailed, FrontModel, FrontModels, front_hook
 from router.host.heartbeat import HEARTBEAT_EVERY_S, Heartbeat
-from router.host.messages import BatchFacts as BatchFactsMessage
-from router.host.messages import (
-    CallReply,
-    Lags,
-    Models,
-    Packed,
-    PayloadRef,
-    Reply,
-    Snapshot,
-    Submit,
-    span_bytes,
-    span_ref,
-)
-from router.host.messages import Terms as TermsMessage
+from router.host.messages import CallReply, Lags, Models, Packed, PayloadRef, Reply, Snapshot, Submit
 from router.host.packing import Packer, unpack
 from router.host.stream import EngineStream, handshake
 from router.host.verbs import call_args, decode_result, pipeline_from_wire
 from router.logs import new_request_id
-from router.scheduling.queue import BatchFacts
 from router.sdk.plugin import Payload
 from router.serving.checks import check_answer, check_media_type
 from router.serving.editor import ReloadReport
@@ -350,7 +336,7 @@ class EngineClient:
                                                 item=packed, wait_for_room=wait_for_room)
         assert reply.output is not None and reply.facts is not None
         if trace is not None:
-            trace_execution(trace, batch_facts(reply.facts), self.clock())
+            trace_execution(trace, reply.facts, self.clock())
         try:
             output = unpack(reply.output, self._answers)
             result = await front_hook(self.hooks.run(name, front.entry.plugin, plugin, "postprocess", output, item,
@@ -405,11 +391,10 @@ class EngineClient:
                         wait_for_room: bool = False) -> tuple[Reply, float]:
         """One Submit, its one Reply (`Exchanges.submit`), and when it was handed to the engine."""
         exchanges = self._exchanges
-        submit = Submit(exchanges.number(), TermsMessage(terms.model, terms.received_at, terms.priority,
-                                                         terms.timeout_ms, terms.items, terms.must_finish,
-                                                         wait_for_room),
-                        request_id, front.entry.generation, input_bytes, item[0] if item else None, payload,
-                        span_bytes(trace.ref) if trace is not None else None)
+        if wait_for_room != terms.wait_for_room:
+            terms = msgspec.structs.replace(terms, wait_for_room=wait_for_room)
+        submit = Submit(exchanges.number(), terms, request_id, front.entry.generation, input_bytes,
+                        item[0] if item else None, payload, trace.ref.to_bytes() if trace is not None else None)
         work = exchanges.submit(submit, item[1] if item else offsets or [], deadline,
                                 front.entry.execution_timeout_ms / 1000 + GRACE_S)
         queued_at = self.clock()
@@ -497,12 +482,6 @@ class EngineClient:
             await self._inflight.until_idle(5.0)
         except TimeoutError:
             log.error("%d request(s) still in flight after drain", self._inflight.count)
-
-
-def batch_facts(facts: BatchFactsMessage) -> BatchFacts:
-    """The engine's word on the batch a request rode, as the request path reads it."""
-    return BatchFacts(facts.size, facts.dispatched_at, facts.execution_s, facts.finished_at, facts.memory_delta_bytes,
-                      span_ref(facts.batch_trace))
 
 
 def _with_requests(info: ModelInfo, counts: Mapping[str, int] | None) -> ModelInfo:

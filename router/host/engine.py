@@ -25,18 +25,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from router.errors import ClientDisconnected, ModelError, RouterError
 from router.host.board import BOARD_BYTES, BoardWriter
 from router.host.fleet_news import FleetNews
 from router.host.links import FrontLink, Outgoing, Writer, accept_front, read_front
-from router.host.messages import BatchFacts, Call, Cancel, Failure, Lags, Submit, span_bytes, span_ref
+from router.host.messages import Call, Cancel, Failure, Lags, Submit
 from router.host.packing import unpack
 from router.host.verbs import run_call
-from router.scheduling.queue import Ticket, reject
+from router.scheduling.queue import BatchFacts, Ticket, reject
 from router.sdk.plugin import Payload
 from router.serving.intake import Accepted, Turn
 from router.serving.rules import Terms
 from router.serving.runtime import Runtime, expired
+from router.tracing.api import SpanRef
 
 __all__ = ["EngineServer"]
 
@@ -202,13 +205,12 @@ class EngineServer:
     def _submit(self, link: FrontLink, submit: Submit, item: Any, turn: Turn) -> None:
         pending = Pending(link, submit.id)
         link.requests[submit.id] = pending
-        sent = submit.terms
-        terms = Terms(sent.model, sent.received_at, sent.priority, sent.timeout_ms, sent.items, sent.must_finish)
+        terms = submit.terms
         if submit.payload is not None:
             pending.engine_hooks = True
             pending.task = self._spawn(self._whole(pending, submit), f"request-{submit.request_id}")
             return
-        if sent.wait_for_room:  # a pipeline's later step: waits here for room in a full queue
+        if terms.wait_for_room:  # a pipeline's later step: waits here for room in a full queue
             pending.task = self._spawn(self._after_room(pending, submit, item, terms), f"room-{submit.request_id}")
             return
         try:
@@ -225,7 +227,8 @@ class EngineServer:
         assert pending.accepted is not None
         try:
             pending.ticket = self.runtime.intake.enqueue(pending.accepted, item, TicketReply(self, pending),
-                                                         submit.request_id, submit.input_bytes, span_ref(submit.trace))
+                                                         submit.request_id, submit.input_bytes,
+                                                         None if submit.trace is None else SpanRef.from_bytes(submit.trace))
         except RouterError as exc:
             self.runtime.intake.unreserve(pending.accepted)
             self.failed(pending, exc)
@@ -277,7 +280,8 @@ class EngineServer:
         except asyncio.CancelledError:
             self.failed(pending, ClientDisconnected("cancelled"))
             return
-        facts = BatchFacts(answer.batch_size, 0.0, answer.execution_s, answer.memory_delta_bytes, answer.queue_wait_s)
+        facts = BatchFacts(answer.batch_size, 0.0, answer.execution_s, memory_delta_bytes=answer.memory_delta_bytes,
+                           queue_wait_s=answer.queue_wait_s)
         self._answer(pending, Outgoing(submit.id, answer=self.news.encode(answer.output),
                                        input_info=self.news.encode(answer.input_info), facts=facts))
 
@@ -295,11 +299,10 @@ class EngineServer:
         its own plugin object, so the instance's use ends here."""
         ticket = pending.ticket
         assert ticket is not None and ticket.batch is not None
+        if ticket.instance is not None:
+            ticket.instance.end_use()
         batch = ticket.batch
-        if batch.instance is not None:
-            batch.instance.end_use()
-        facts = BatchFacts(batch.size, batch.dispatched_at, batch.execution_s, batch.memory_delta_bytes,
-                           batch.dispatched_at - ticket.arrived_at, batch.finished_at, span_bytes(batch.batch_trace))
+        facts = msgspec.structs.replace(batch, queue_wait_s=batch.dispatched_at - ticket.arrived_at)
         self._answer(pending, Outgoing(pending.id, output=output, facts=facts, packs=True))
 
     def failed(self, pending: Pending, error: BaseException) -> None:

@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from router.config import BatchPolicy
 from router.errors import PayloadTooLarge, QueueFull
 from router.tracing.api import SpanRef
@@ -43,22 +45,30 @@ class Ticket:
     # Tracing: a value, not a live span, so that it can cross to a process where the batch runs.
     trace: SpanRef | None = None  # the sampled request's span, which its batch span links to
     batch: BatchFacts | None = None  # the batch it rode, once that batch has answered it
+    # The instance that ran it, once its batch has answered it with an output: in use (`begin_use`)
+    # until the caller is done with that output (its plugin postprocesses it): `instance.end_use()`.
+    instance: Any = None
 
 
-@dataclass(frozen=True)
-class BatchFacts:
+class BatchFacts(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """The batch a ticket rode: its size, when it was dispatched and ended, how long it ran, the
-    device memory used after it minus before (where a probe reads it), its span (tracing), and the
-    instance that ran it (whose plugin postprocesses the answer, and which stays loaded until the
-    caller is done with it: `instance.end_use()`)."""
+    device memory used after it minus before (where a probe reads it), and its span (tracing, as
+    `SpanRef.to_bytes`). A value: the engine of a split host sends it to the front as it is, with
+    `queue_wait_s`, the ticket's wait from queueing to dispatch, filled in (`dispatched_at` 0.0 for
+    an answer whose hooks ran in the engine: `queue_wait_s` says its wait)."""
 
     size: int
     dispatched_at: float
     execution_s: float
-    finished_at: float
+    finished_at: float = 0.0
     memory_delta_bytes: int | None = None
-    batch_trace: SpanRef | None = None
-    instance: Any = None
+    batch_trace: bytes | None = None
+    queue_wait_s: float = 0.0
+
+    @property
+    def link(self) -> SpanRef | None:
+        """The batch span, for a request's execute phase to link to."""
+        return None if self.batch_trace is None else SpanRef.from_bytes(self.batch_trace)
 
 
 @dataclass(frozen=True)
@@ -79,12 +89,12 @@ class BatchResult:
     def resolve(self, dispatched_at: float) -> None:
         """Answer every ticket of the batch, each exactly once; an answered one holds the instance
         in use (`begin_use`) for its caller's postprocessing."""
-        facts = BatchFacts(self.size, dispatched_at, self.execution_s, self.finished_at, self.memory_delta_bytes,
-                           self.batch_trace, self.instance)
+        trace = None if self.batch_trace is None else self.batch_trace.to_bytes()
+        facts = BatchFacts(self.size, dispatched_at, self.execution_s, self.finished_at, self.memory_delta_bytes, trace)
         for ticket, output in self.outputs:
             if ticket.future.done():
                 continue
-            ticket.batch = facts
+            ticket.batch, ticket.instance = facts, self.instance
             if self.instance is not None:
                 self.instance.begin_use()
             ticket.future.set_result(output)

@@ -34,9 +34,10 @@ __all__ = ["Admission", "ModelFigures", "Refusal", "Terms", "admit", "budget_s",
 PREDICTION_FRESH_S = 0.25
 
 
-class Terms(msgspec.Struct, frozen=True):
+class Terms(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A request as its headers put it, parsed once: what it asks for, and when it arrived (the
-    host's monotonic clock, the same in every process)."""
+    host's monotonic clock, the same in every process). A front of a split host sends it to the
+    engine as it is (`router.host.messages.Submit`)."""
 
     model: str
     received_at: float
@@ -44,6 +45,7 @@ class Terms(msgspec.Struct, frozen=True):
     timeout_ms: float | None = None
     items: int = 1
     must_finish: bool = False  # a pipeline's later step: a predicted miss is 504, even for an idle model
+    wait_for_room: bool = False  # ... which waits for room in a full queue instead of a 503
 
 
 class Refusal(msgspec.Struct, frozen=True, array_like=True):

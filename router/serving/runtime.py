@@ -425,16 +425,15 @@ class Runtime:
             if trace is not None:
                 trace_execution(trace, batch, self.clock())
             # The instance that ran the batch postprocesses its answer, and stays loaded until it has.
-            plugin = batch.instance.plugin if batch.instance is not None else front.plugin
+            plugin = ticket.instance.plugin if ticket.instance is not None else front.plugin
             result = await self.hooks.run(deployment.name, deployment.plugin.name, plugin, "postprocess", output, item,
                                           deadline=deadline)
             check_answer(deployment.name, deployment.plugin.name, result)
             described = await self.hooks.described(plugin, payload, item)
         finally:
             self.intake.tickets.discard(ticket)
-            if ticket.batch is not None and ticket.batch.instance is not None and ticket.future.done() \
-                    and not ticket.future.cancelled() and ticket.future.exception() is None:
-                ticket.batch.instance.end_use()
+            if ticket.instance is not None:  # answered with an output: its instance's use ends here
+                ticket.instance.end_use()
         now = self.clock()  # batch end to answer: what the deadline gate adds after a batch
         deployment.lag.observe(max(0.0, now - batch.dispatched_at - batch.execution_s), now)
         wait = batch.dispatched_at - ticket.arrived_at
