@@ -1,14 +1,14 @@
 """The runtime: the serving core's façade, usable without HTTP.
 
-Callers use its verbs and read its snapshots: `submit` and `precheck` on the request path,
+Callers use its verbs and read its snapshots: `screen` and `submit` on the request path,
 `models()`, `model()`, `devices()` and `ready` to look, `begin_drain`/`drain`, `start`/`stop`.
 Nothing outside `router.serving` touches the deployments, instances or schedulers behind it;
 the engine process of a split host (`router.host.engine`) uses the request path's lower verbs
 (`intake`, `until_serving`) for items that front processes prepared.
 
-`submit` is the whole life of one request in one process: the rules (`router.serving.rules`),
-preprocess (`router.serving.hooks`), queue, wait for its batch (or its deadline), postprocess.
-Every accepted request is answered exactly once.
+`submit` is the whole life of one request in one process: the rules' commit
+(`router.serving.rules`), preprocess (`router.serving.hooks`), queue, wait for its batch (or its
+deadline), postprocess. Every accepted request is answered exactly once.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from router.config import FleetConfig
-from router.errors import DeadlineExceeded, RouterError, ShuttingDown, outcome_of
+from router.errors import DeadlineExceeded, ShuttingDown
 from router.logs import new_request_id
 from router.scheduling.probes import MemoryProbe, make_probe
 from router.scheduling.queue import ModelQueue, Ticket
@@ -36,7 +36,7 @@ from router.serving.deployment import Deployment
 from router.serving.editor import FleetEditor, ReloadReport
 from router.serving.fleet_state import FleetState
 from router.serving.hooks import HookRunner
-from router.serving.inflight import InFlight
+from router.serving.inflight import InFlight, screening
 from router.serving.instance import ModelInstance
 from router.serving.intake import SHUTTING_DOWN, Accepted, Intake
 from router.serving.isolation import RemotePlugin
@@ -44,7 +44,7 @@ from router.serving.loading import load_deployment
 from router.serving.phases import trace_execution
 from router.serving.plan import FleetPlan, PipelinePlan
 from router.serving.residency_executor import ResidencyExecutor, UnloadReport
-from router.serving.rules import Terms, budget_s, check_gate, has_room
+from router.serving.rules import Screened, Terms, budget_s, check_gate, has_room
 from router.serving.snapshots import DeviceInfo, ModelInfo, device_info, model_info
 from router.serving.telemetry import Telemetry, TelemetryFanout
 from router.tracing.api import Phases, Tracing, within_phase
@@ -54,8 +54,8 @@ __all__ = ["Answer", "Runtime"]
 log = logging.getLogger("router.serving.runtime")
 T = TypeVar("T")
 ProbeFactory = Callable[[str, str], "MemoryProbe | None"]
-#: `precheck` leaves the wait prediction to `submit` for bodies announced at most this size.
-PRECHECK_WAIT_MIN_BYTES = 64 * 1024
+#: `screen` leaves the wait prediction to `submit` for bodies announced at most this size.
+SCREEN_WAIT_MIN_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -314,26 +314,23 @@ class Runtime:
 
     # -- the request path -------------------------------------------------------------------
 
-    def precheck(
+    def screen(
         self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
         received_at: float | None = None, items: int = 1, body_bytes: int | None = None,
-    ) -> None:
-        """Refuse, from the model name and the request's headers alone, what `submit` would refuse
-        before running anything (unknown model, bad header, shutting down, model not serving,
-        queue full, predicted to miss its deadline), so that the caller need not read the body.
-        With `items`, the queue must have room for all of them (a request that the queue can never
-        hold is 413). A body announced as at most PRECHECK_WAIT_MIN_BYTES costs less to read than
-        the wait prediction, which `submit` makes anyway: for it that one is left to `submit`.
-        Takes nothing: `submit` decides again, item by item."""
+    ) -> Screened:
+        """The rules' screen: refuse, from the model name and the request's headers alone, what
+        `submit` would refuse before running anything (unknown model, bad header, shutting down,
+        model not serving, queue full, predicted to miss its deadline), so that the caller need not
+        read the body. With `items`, the queue must have room for all of them (a request that the
+        queue can never hold is 413). A body announced as at most SCREEN_WAIT_MIN_BYTES costs less
+        to read than the wait prediction, which the commit makes anyway: for it that one is left to
+        the commit. Takes nothing: `submit` commits each item on the figures of its moment."""
         deployment = self._state.get(model)
         now = self.clock()
         started = now if received_at is None else min(received_at, now)
-        gate = body_bytes is None or body_bytes > PRECHECK_WAIT_MIN_BYTES
-        try:
-            self.intake.check(deployment, Terms(model, started, priority, timeout_ms, items), gate=gate)
-        except RouterError as exc:
-            self._count(deployment.name, outcome_of(exc), started)
-            raise
+        gate = body_bytes is None or body_bytes > SCREEN_WAIT_MIN_BYTES
+        with screening(lambda outcome: self._count(deployment.name, outcome, started)):
+            return self.intake.screen(deployment, Terms(model, started, priority, timeout_ms, items), gate=gate)
 
     def _count(self, model: str, outcome: str, started: float) -> None:
         deployment = self._state.deployments.get(model)
@@ -353,8 +350,11 @@ class Runtime:
         trace: Phases | None = None,
         wait_for_room: bool = False,
         must_finish: bool = False,
+        screened: Screened | None = None,
     ) -> Answer:
         """Run one input through a model. Raises a RouterError subclass on any failure.
+        `screened`: the request's screen (`screen`); here the commit decides on the live figures
+        of its moment all the same, so nothing of it is read again.
         The deadline counts from `received_at` (the runtime's clock) when the caller knows it.
         With `trace` (a sampled request's), each phase of the path is recorded there as it ends.
         A pipeline's later steps ask for two things more: `wait_for_room`, a full queue is
@@ -375,7 +375,7 @@ class Runtime:
                         trace: Phases | None, wait_for_room: bool = False) -> tuple[Answer, float]:
         if wait_for_room:
             await self.until_room(deployment, terms)
-        admission = self.intake.check(deployment, terms)
+        admission = self.intake.decide(deployment, terms)
         check_media_type(deployment.name, deployment.plugin.cls.accepts, payload)
         accepted = self.intake.commit(deployment, admission)
         try:
