@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.errors import ModelChanged, ShuttingDown
-from router.scheduling.queue import Ticket, reject
+from router.scheduling.queue import Outcome, Ticket, reject
 from router.scheduling.scheduler import DeviceScheduler
 from router.serving.deployment import Deployment
 from router.serving.fleet_state import FleetState
@@ -106,14 +106,15 @@ class Intake:
                                retry_after_s=1.0)
         return deployment
 
-    def enqueue(self, accepted: Accepted, item: Any, future: Any, request_id: str, input_bytes: int = 0,
-                trace: SpanRef | None = None) -> Ticket:
-        """Queue an admitted request's item (its reserved slot becomes the ticket) and wake the scheduler.
+    def enqueue(self, accepted: Accepted, item: Any, reply: Callable[[Outcome], None], request_id: str,
+                input_bytes: int = 0, trace: SpanRef | None = None) -> Ticket:
+        """Queue an admitted request's item (its reserved slot becomes the ticket, whose outcome goes
+        to `reply`) and wake the scheduler.
         Shutting down: ShuttingDown, and the slot is still the caller's to give back (`unreserve`)."""
         deployment, admission = accepted.deployment, accepted.admission
         if self.closing:
             raise ShuttingDown(SHUTTING_DOWN.detail, retry_after_s=SHUTTING_DOWN.retry_after_s)
-        ticket = Ticket(request_id, item, admission.level, self._clock(), admission.deadline, future, input_bytes,
+        ticket = Ticket(request_id, item, admission.level, self._clock(), admission.deadline, reply, input_bytes,
                         measure=admission.measure, trace=trace)
         deployment.queue.put(ticket, reserved=True)
         self.tickets.add(ticket)

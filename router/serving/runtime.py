@@ -28,7 +28,7 @@ from router.config import FleetConfig
 from router.errors import DeadlineExceeded, ShuttingDown
 from router.logs import new_request_id
 from router.scheduling.probes import MemoryProbe, make_probe
-from router.scheduling.queue import ModelQueue, Ticket
+from router.scheduling.queue import ModelQueue, Outcome, Refused, Served, Ticket, end_lease
 from router.scheduling.scheduler import DeviceScheduler
 from router.sdk.plugin import Payload, PluginContext
 from router.serving.checks import check_answer, check_media_type
@@ -405,8 +405,8 @@ class Runtime:
                                             payload, deadline=deadline)
             finally:
                 front.end_use()
-            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            ticket = self.intake.enqueue(accepted, item, future, request_id, len(payload.body),
+            reply: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+            ticket = self.intake.enqueue(accepted, item, reply.set_result, request_id, len(payload.body),
                                          trace=trace.ref if trace is not None else None)
         except BaseException:
             self.intake.unreserve(accepted)
@@ -414,32 +414,43 @@ class Runtime:
         if trace is not None:
             trace.enter("queue wait", ticket.arrived_at)
         try:
-            try:
-                output = await self._await_ticket(accepted, ticket)
-            except BaseException as exc:
-                if trace is not None:
-                    trace_execution(trace, ticket.batch, self.clock(), exc)
-                raise
-            batch = ticket.batch
-            assert batch is not None
-            if trace is not None:
-                trace_execution(trace, batch, self.clock())
+            served = await self._served(accepted, ticket, reply, trace)
+        finally:
+            self.intake.tickets.discard(ticket)
+        batch, lease = served.batch, served.lease
+        try:
             # The instance that ran the batch postprocesses its answer, and stays loaded until it has.
-            plugin = ticket.instance.plugin if ticket.instance is not None else front.plugin
-            result = await self.hooks.run(deployment.name, deployment.plugin.name, plugin, "postprocess", output, item,
-                                          deadline=deadline)
+            plugin = lease.instance.plugin if lease is not None else front.plugin
+            result = await self.hooks.run(deployment.name, deployment.plugin.name, plugin, "postprocess",
+                                          served.output, item, deadline=deadline)
             check_answer(deployment.name, deployment.plugin.name, result)
             described = await self.hooks.described(plugin, payload, item)
         finally:
-            self.intake.tickets.discard(ticket)
-            if ticket.instance is not None:  # answered with an output: its instance's use ends here
-                ticket.instance.end_use()
+            if lease is not None:
+                lease.end()
         now = self.clock()  # batch end to answer: what the deadline gate adds after a batch
         deployment.lag.observe(max(0.0, now - batch.dispatched_at - batch.execution_s), now)
         wait = batch.dispatched_at - ticket.arrived_at
         self.telemetry.observe_queue_wait(deployment.name, wait)
         return Answer(request_id, deployment.name, result, wait, batch.size, batch.execution_s,
                       batch.memory_delta_bytes, described)
+
+    async def _served(self, accepted: Accepted, ticket: Ticket, reply: asyncio.Future[Outcome],
+                      trace: Phases | None) -> Served:
+        """The ticket's outcome when it is served; the error that answers it otherwise."""
+        try:
+            outcome = await self._await_ticket(accepted, ticket, reply)
+        except BaseException as exc:
+            if trace is not None:
+                trace_execution(trace, None, self.clock(), exc)
+            raise
+        if isinstance(outcome, Refused):
+            if trace is not None:
+                trace_execution(trace, outcome.batch, self.clock(), outcome.error)
+            raise outcome.error
+        if trace is not None:
+            trace_execution(trace, outcome.batch, self.clock())
+        return outcome
 
     async def until_room(self, deployment: Deployment, terms: Terms) -> None:
         """Wait until the model's queue has room for the request; 504 (never run) if its deadline
@@ -465,33 +476,31 @@ class Runtime:
         if self.intake.closing:
             raise ShuttingDown(SHUTTING_DOWN.detail, retry_after_s=SHUTTING_DOWN.retry_after_s)
 
-    async def _await_ticket(self, accepted: Accepted, ticket: Ticket) -> Any:
-        """Wait for the ticket's batch, up to its deadline: then a ticket still queued is withdrawn (it
-        never runs), and one whose batch is running gets 504 all the same; no answer comes late."""
-        future: asyncio.Future[Any] = ticket.future
+    async def _await_ticket(self, accepted: Accepted, ticket: Ticket, reply: asyncio.Future[Outcome]) -> Outcome:
+        """Wait for the ticket's outcome, up to its deadline: then a ticket still queued is withdrawn
+        (it never runs), and one whose batch is running gets 504 all the same; no answer comes late."""
         try:
             remaining = max(0.0, ticket.deadline - self.clock())
             try:
-                return await asyncio.wait_for(asyncio.shield(future), remaining)
+                return await asyncio.wait_for(asyncio.shield(reply), remaining)
             except TimeoutError:
+                _abandon(ticket, reply)
                 if self.intake.withdraw(accepted, ticket):
-                    future.cancel()  # resolved: the error goes to the caller directly
                     raise expired(accepted) from None
                 # Running: the deadline still holds. The batch goes on; this input's answer is dropped.
-                _drop(future)
                 raise DeadlineExceeded(f"deadline passed after {_budget_ms(accepted)} ms while the batch of model "
                                        f"{accepted.admission.model!r} holding this input ran") from None
         except asyncio.CancelledError:
+            _abandon(ticket, reply)
             self.intake.withdraw(accepted, ticket)  # the caller went away: never run it
-            _drop(future)
             raise
 
 
-def _drop(future: asyncio.Future[Any]) -> None:
-    """Nobody will read this answer: if it came already, its instance's use ends here."""
-    if future.done() and not future.cancelled() and future.exception() is None:
-        return  # handled by the caller's finally (it reads ticket.batch)
-    future.cancel()
+def _abandon(ticket: Ticket, reply: asyncio.Future[Outcome]) -> None:
+    """Nobody will read this ticket's outcome: one that came already, or that comes later, ends its lease."""
+    ticket.abandon()
+    if reply.done():
+        end_lease(reply.result())
 
 
 def _budget_ms(accepted: Accepted) -> str:
