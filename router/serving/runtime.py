@@ -321,10 +321,9 @@ class Runtime:
         """The rules' screen: refuse, from the model name and the request's headers alone, what
         `submit` would refuse before running anything (unknown model, bad header, shutting down,
         model not serving, queue full, predicted to miss its deadline), so that the caller need not
-        read the body. With `items`, the queue must have room for all of them (a request that the
-        queue can never hold is 413). A body announced as at most SCREEN_WAIT_MIN_BYTES costs less
-        to read than the wait prediction, which the commit makes anyway: for it that one is left to
-        the commit. Takes nothing: `submit` commits each item on the figures of its moment."""
+        read the body. With `items`, the queue must have room for all of them (else 413 if it never
+        can). A body announced as at most SCREEN_WAIT_MIN_BYTES costs less to read than the wait
+        prediction, which is left to the commit. Takes nothing: `submit` commits each item."""
         deployment = self._state.get(model)
         now = self.clock()
         started = now if received_at is None else min(received_at, now)
@@ -338,20 +337,9 @@ class Runtime:
             deployment.outcomes[outcome] += 1
         self.telemetry.observe_request(model, outcome, self.clock() - started)
 
-    async def submit(
-        self,
-        model: str,
-        payload: Payload,
-        *,
-        priority: int | None = None,
-        timeout_ms: float | None = None,
-        request_id: str | None = None,
-        received_at: float | None = None,
-        trace: Phases | None = None,
-        wait_for_room: bool = False,
-        must_finish: bool = False,
-        screened: Screened | None = None,
-    ) -> Answer:
+    async def submit(self, model: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
+                     request_id: str | None = None, received_at: float | None = None, trace: Phases | None = None,
+                     wait_for_room: bool = False, must_finish: bool = False, screened: Screened | None = None) -> Answer:
         """Run one input through a model. Raises a RouterError subclass on any failure.
         `screened`: the request's screen (`screen`); here the commit decides on the live figures
         of its moment all the same, so nothing of it is read again.
