@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
-# These releases install from the machine's local wheel store; a CUDA build, CPU-only use works.
+# The releases the tests run with. From PyPI on Linux x86-64 these are CUDA 13 builds (NVIDIA driver
+# 580 or newer), which run on the CPU too; for a CUDA 12 driver, take PyTorch's own CUDA 12 build, e.g.
+# `make serve TORCH_INDEX=https://download.pytorch.org/whl/cu126` (docs/gpu.md).
 TORCH  := torch==2.14.1 torchvision==0.29.1
+TORCH_INDEX ?=
 CONFIG ?= config/fleet.yaml
 DEMO   := model_store/yolov8n.pt model_store/resnet18.pt
 
@@ -24,18 +27,25 @@ test-tools:
 check: $(VENV)/.serve
 	$(BIN)/model-router check --config $(CONFIG)
 
-# On a GPU machine with this .venv (no wheelhouse): GPU_WHEELS= keeps gpu-check.sh off .whl/.
+# The acceptance test of a GPU host (docs/gpu.md), with this .venv: results in gpu-check-out/results.md.
+# GPU_WHEELS= keeps gpu-check.sh off .whl/.
 gpu-check: $(VENV)/.test $(VENV)/.ray
 	GPU_WHEELS= PYTHON=$(BIN)/python bash scripts/gpu-check.sh
 
-# A lent GPU (docs/gpu.md): the wheels its check needs and the machine lacks, into .whl/ (fails above 60 MiB);
-# and the whole check rehearsed here, in a bare environment holding only the machine's packages.
-.PHONY: gpu-wheels gpu-rehearsal
+# A GPU host without index access (docs/gpu.md): the wheels its check needs and its image lacks
+# (gpu_check/device_packages.txt), into .whl/ (fails above 60 MiB); and the whole check rehearsed on
+# this machine, in a bare environment holding only that image's packages.
+.PHONY: gpu-wheels gpu-rehearsal wheels
 gpu-wheels: $(VENV)/.test
 	$(BIN)/python -m gpu_check.wheelhouse --out .whl
 
 gpu-rehearsal: $(VENV)/.test
 	$(BIN)/python -m gpu_check.rehearsal --wheelhouse .whl
+
+# The router and its bundled plugins as wheels in dist/ (install with
+# `pip install --find-links dist vision-model-router vision-model-router-yolo ...`).
+wheels: $(BIN)/python
+	$(PIP) wheel --quiet --no-deps -w dist . plugins/yolo plugins/resnet plugins/engines plugins/onnx plugins/tensorrt
 
 # Every contender on every workload and scenario; see benchmarks/run.py. The last full run
 # (docs/performance.md, 2026-12-01) took 1,686 s.
@@ -52,7 +62,7 @@ $(BIN)/python:
 	$(PIP) install --quiet --upgrade pip
 
 $(VENV)/.torch: | $(BIN)/python
-	$(PIP) install --quiet $(TORCH)
+	$(PIP) install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH)
 	touch $@
 
 $(VENV)/.serve: $(VENV)/.torch pyproject.toml plugins/yolo/pyproject.toml plugins/resnet/pyproject.toml \
@@ -60,10 +70,11 @@ $(VENV)/.serve: $(VENV)/.torch pyproject.toml plugins/yolo/pyproject.toml plugin
 	$(PIP) install --quiet -e . -e plugins/yolo -e plugins/resnet -e plugins/engines -e plugins/onnx -e plugins/tensorrt
 	touch $@
 
-# The test kit's plugins and the example plugin of docs/plugins.md, each its own distribution;
+# The test kit's plugins and the two example plugins of docs/plugins.md, each its own distribution;
 # the tracing extra, whose end-to-end test exports to a receiver in the test.
-$(VENV)/.test: $(VENV)/.serve tests/plugin_dist/pyproject.toml examples/plugin-mean-colour/pyproject.toml
-	$(PIP) install --quiet -e '.[test,tracing]' -e tests/plugin_dist -e examples/plugin-mean-colour
+$(VENV)/.test: $(VENV)/.serve tests/plugin_dist/pyproject.toml examples/plugin-mean-colour/pyproject.toml \
+		examples/plugin-tiny-cnn/pyproject.toml
+	$(PIP) install --quiet -e '.[test,tracing]' -e tests/plugin_dist -e examples/plugin-mean-colour -e examples/plugin-tiny-cnn
 	touch $@
 
 # Ray Serve for the cluster tests (the `ray` extra, an 80 MB wheel). Where it cannot be installed

@@ -18,14 +18,16 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from benchmarks.run import Plan, _cpu_seconds, closed
-from benchmarks.systems import free_port, launch, request_target
+from benchmarks.systems import Server, free_port, launch, request_target
 from benchmarks.workloads import REPO, WORKLOADS, Workload
 
-__all__ = ["before_after"]
+__all__ = ["before_after", "tree_server"]
 
 #: The saturation concurrency of each workload, as benchmarks/run.py measures it.
 SATURATION = {"resnet18": 16, "photo": 16, "accelerator": 128, "tiny": 32}
@@ -33,10 +35,11 @@ PLUGIN_DIRS = ("tests/plugin_dist", "plugins/resnet", "plugins/yolo", "plugins/e
                "plugins/tensorrt", "examples/plugin-mean-colour")
 
 
-def run_once(tree: Path, workload: Workload, store: Path, scratch: Path, seconds: float, warm_s: float,
-             workers: str | None = None) -> dict[str, Any]:
-    import psutil
-
+@contextmanager
+def tree_server(tree: Path, workload: Workload, store: Path, scratch: Path,
+                workers: str | None = None) -> Iterator[Server]:
+    """The router of checkout `tree` serving `workload` with its default settings, on a fresh port:
+    this tree's virtual environment, `tree`'s router, plugins and test kit first on its PYTHONPATH."""
     port = free_port()
     config = scratch / f"fleet-{workload.name}.yaml"
     config.write_text(workload.fleet_yaml(store), encoding="utf-8")
@@ -46,9 +49,17 @@ def run_once(tree: Path, workload: Workload, store: Path, scratch: Path, seconds
     env.pop("MODEL_ROUTER_WORKERS", None)  # the default setting, unless asked for another
     if workers is not None:
         env["MODEL_ROUTER_WORKERS"] = workers
-    target = request_target("router", workload, scratch)
     with launch("router", [sys.executable, "-m", "router", "serve"], env, port, f"/models/{workload.name}/predict",
                 "/health/ready", scratch / f"router-{tree.name}-{port}.log", 300, cwd=tree) as server:
+        yield server
+
+
+def run_once(tree: Path, workload: Workload, store: Path, scratch: Path, seconds: float, warm_s: float,
+             workers: str | None = None) -> dict[str, Any]:
+    import psutil
+
+    target = request_target("router", workload, scratch)
+    with tree_server(tree, workload, store, scratch, workers) as server:
         closed(server, target, 2, warm_s)
         process = psutil.Process(server.process.pid)
         before = _cpu_seconds(process)

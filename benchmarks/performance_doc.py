@@ -164,6 +164,22 @@ def _surges(photo: Mapping[str, Any], deadline: str) -> list[str]:
     return lines
 
 
+def _resnet18_surges(resnet18: Mapping[str, Any], deadline: str) -> list[str]:
+    runs = resnet18.get("surge_rounds", {}).get("runs", {}).get("router", [])
+    if not runs:
+        return []
+    rows = [[_num(r["round"]), _num(r["offered_rps"]), _num(r["goodput_rps"]), _num(r["ratio"]), _statuses(r),
+             _num(r["device"].get("busy_share")), _num(r["device"].get("mean_batch")),
+             _num(r["device"].get("median_batch_ms"))] for r in runs]
+    return ["## ResNet18 surges", "",
+            (f"The sweep's 5× point again, {len(runs)} times, each on a fresh server warmed at concurrency 2:"
+             f" {_num(runs[0]['offered_rps'])} req/s, {deadline} deadline. What the device did during each, from"
+             " the server's access log (`benchmarks/surge.py`): busy between the surge's first batch and its"
+             " last, and its batches."), "",
+            *_table(["round", "offered req/s", f"within {deadline}, req/s", "÷ capacity", "statuses",
+                     "device busy", "mean batch", "median batch ms"], rows)]
+
+
 def _preprocess(photo: Mapping[str, Any]) -> list[str]:
     costs = photo.get("preprocess", {})
     if not costs:
@@ -247,15 +263,18 @@ def _split(results: Mapping[str, Any]) -> list[str]:
         for name, c in sh[key]["contenders"].items():
             roles = ", ".join(f"{role[len('cpu_us_per_answer['):-1]} {_num(v['median'])}" for role, v in c.items()
                               if role.startswith("cpu_us_per_answer["))
+            rss = ", ".join(f"{role} {_num(mb)}" for role, mb in c["median_run"].get("rss_mb", {}).items()) or "–"
             rows.append([label, _SPLIT_NAMES.get(name, name.replace("router ", "router, workers ")),
                          (f"{_num(c['throughput_rps']['median'])} ({_num(c['throughput_rps']['min'])}–"
-                         f"{_num(c['throughput_rps']['max'])})"), _num(c["p50_ms"]["median"]), roles])
+                         f"{_num(c['throughput_rps']['max'])})"), _num(c["p50_ms"]["median"]), roles, rss])
     targets = [f"- {'met' if ok else 'missed'}: {what}" for what, ok in sh["targets"].items()]
     return ["## One host split into fronts and an engine", "",
             (f"`benchmarks/split_host.py` on {_num(sh['cores'])} cores: each contender on a fresh server,"
              f" {_num(sh['fast']['contenders']['router 1']['rounds'])} alternating rounds (medians, the range in"
              " brackets). The fast accelerator: a batch of n costs 2 + 0.05 n ms, batches of 64, the GIL released."), "",
-            *_table(["workload", "contender", "req/s", "p50 ms", "CPU µs per answer, by process role (median)"], rows),
+            *_table(["workload", "contender", "req/s", "p50 ms", "CPU µs per answer, by process role (median)",
+                     "RSS MB by process, warm (the median run)"], rows),
+            *_split_memory(sh.get("memory")),
             (f"Fast accelerator: workers 1 ÷ the limit {_num(f['fast_w1_over_limit'])}, workers 2 ÷ the limit"
              f" {_num(f['fast_w2_over_limit'])}; ÷ LitServe's better setting {_num(f['fast_w1_over_litserve'])} and"
              f" {_num(f['fast_w2_over_litserve'])}; workers 2 ÷ workers 1 {_num(f['w2_over_w1'])}. No-op: router ÷"
@@ -267,6 +286,16 @@ def _split(results: Mapping[str, Any]) -> list[str]:
              f" {proj['split_bound_by']}; the cores alone would carry {_num(proj['cpu_bound_rps'])}, the engine's loop"
              f" {_num(proj['engine_bound_rps'])}, the accelerator {_num(proj['accelerator_rps'])})."), "",
             *targets, ""]
+
+
+def _split_memory(memory: Mapping[str, Any] | None) -> list[str]:
+    """RSS by process role of the default fleet's split host, once ready."""
+    if not memory:
+        return []
+    rows = [[role, _num(mb), "yes" if role in memory["maps_torch"] else "no"] for role, mb in memory["rss_mb"].items()]
+    return [(f"Memory: the default fleet ({memory['fleet']}) with workers {_num(memory['workers'])}, each process's RSS"
+             " once every process is ready and both models have answered through the fronts."), "",
+            *_table(["process", "RSS MB", "maps torch"], rows)]
 
 
 def _page(results: Mapping[str, Any]) -> list[str]:
@@ -309,8 +338,9 @@ def render(results: Mapping[str, Any]) -> str:
     """The markdown of docs/performance.md for one run's results."""
     deadline = f"{_num(results.get('deadline_s', 1.0))} s"
     photo = results.get("workloads", {}).get("photo", {})
+    resnet18 = results.get("workloads", {}).get("resnet18", {})
     parts = [HEADER.split("\n")[:-1], _machine(results), _targets(results), _throughput(results, deadline),
-             _surges(photo, deadline), _preprocess(photo), _four_models(photo), _residency(results), _cluster(results),
+             _resnet18_surges(resnet18, deadline), _surges(photo, deadline), _preprocess(photo), _four_models(photo), _residency(results), _cluster(results),
              _split(results), _page(results), _tracing(results)]
     return "\n".join(line for part in parts for line in part).rstrip("\n") + "\n"
 

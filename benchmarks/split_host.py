@@ -9,6 +9,10 @@ Three measurements, each contender on a fresh server, the contenders alternating
 - **noop**: the `noop` workload (the scripted plugin with no delay) against a bare Litestar handler
   that reads the same body (`benchmarks.bare_litestar`): what a front costs above the framework.
 - **engine alone**: the engine with fake fronts over its real socket (`benchmarks.engine_alone`).
+- **memory**: the RSS of each process (parent, each front, engine) of a split host serving the
+  default fleet (config/fleet.yaml, its two models) with `workers: 2`, once every process is ready
+  and each model has answered through the fronts; and which processes map torch. Each contender of
+  the measurements above states its processes' RSS too, read once it is warm.
 
 CPU per request comes from each process's CPU times (user + system) over the measured seconds,
 divided by the answers, per role: the router's `model-router: front N`, `engine`, `parent`
@@ -16,6 +20,7 @@ divided by the answers, per role: the router's `model-router: front N`, `engine`
 own (it shares the machine). From those: the projection to 16 cores (see `project`).
 
     python -m benchmarks.split_host --seconds 8 --store model_store --scratch /tmp/split
+    python -m benchmarks.split_host --memory-only --store model_store --scratch /tmp/split
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -38,13 +44,15 @@ from benchmarks.engine_alone import engine_alone
 from benchmarks.systems import Server, free_port, launch
 from benchmarks.workloads import HOST_WORKLOADS, REPO, Workload
 
-__all__ = ["contender_run", "project", "split_host"]
+__all__ = ["contender_run", "memory_by_role", "project", "split_host"]
 
 #: A full batch of the fast workload: 64 answers in 2 + 0.05 * 64 ms, from one instance.
 FAST_BATCH = 64
 FAST_BATCH_S = (2.0 + 0.05 * FAST_BATCH) / 1000
 #: The cores the projection is for (issue 21).
 PROJECTED_CORES = 16
+#: The parent supervises: its RSS target, in MB (with the default fleet).
+PARENT_RSS_TARGET_MB = 150
 
 
 # -- contenders ------------------------------------------------------------------------------------
@@ -91,6 +99,27 @@ def roles(root: psutil.Process, kind: str) -> dict[int, str]:
     return found
 
 
+def rss_by_role(pids: dict[int, str]) -> dict[str, int]:
+    """Each process's resident set, in MB, by its role (`front 1`, `front 2`... one by one)."""
+    out = {}
+    for pid, role in pids.items():
+        try:
+            rss = psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            continue
+        name = role if role not in out else f"{role} {pid}"  # LitServe's workers share a role
+        out[name] = rss >> 20
+    return dict(sorted(out.items()))
+
+
+def maps_torch(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8") as maps:
+            return any("/libtorch_cpu" in line for line in maps)
+    except OSError:
+        return False
+
+
 def cpu_by_pid(pids: dict[int, str]) -> dict[int, float]:
     out = {}
     for pid in pids:
@@ -121,6 +150,7 @@ def contender_run(kind: str, option: str, workload: Workload, store: Path, scrat
     with contender(kind, workload, store, scratch, option) as server:
         loadgen(server, workload, scratch, min(concurrency, 32), warm_s)
         tree = roles(psutil.Process(server.process.pid), kind)
+        rss_mb = rss_by_role(tree)
         before = cpu_by_pid(tree)
         started = time.monotonic()
         children_before = os.times()
@@ -143,7 +173,38 @@ def contender_run(kind: str, option: str, workload: Workload, store: Path, scrat
             "server_cpu_us_per_answer": round(sum(cpu_us.values()), 1),
             "loadgen_cpu_us_per_answer": round(loadgen_s * 1e6 / answered, 1),
             "server_cores": round(sum(cpu_us.values()) * answered / 1e6 / wall, 2),
-            "processes": len(tree)}
+            "processes": len(tree), "rss_mb": rss_mb}
+
+
+def memory_by_role(store: Path, scratch: Path, workers: int = 2, answers: int = 4) -> dict[str, Any]:
+    """RSS by process role of a split host serving the default fleet, once ready and once each model
+    has answered `answers` photos through the fronts (their hooks loaded); which processes map torch."""
+    fleet = (REPO / "config" / "fleet.yaml").read_text(encoding="utf-8")
+    config = scratch / "fleet-default.yaml"
+    config.write_text(fleet.replace("model_store: ../model_store", f"model_store: {store}"), encoding="utf-8")
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MODEL_ROUTER_HOST": "127.0.0.1", "MODEL_ROUTER_PORT": str(port),
+           "MODEL_ROUTER_CONFIG": str(config), "MODEL_ROUTER_GRPC_PORT": "0", "MODEL_ROUTER_WORKERS": str(workers)}
+    photo = (REPO / "examples" / "street.jpg").read_bytes()
+    with launch("router", [sys.executable, "-m", "router", "serve"], env, port, "/models/yolov8n/predict",
+                "/health/ready", scratch / f"memory-{port}.log", 300) as server:
+        fronts = {f"front {i}" for i in range(1, workers + 1)}
+        while not fronts <= set(roles(psutil.Process(server.process.pid), "router").values()):
+            time.sleep(0.2)
+        for model in ("yolov8n", "resnet18"):
+            for _ in range(answers):
+                request = urllib.request.Request(f"{server.url}/models/{model}/predict", data=photo,
+                                                 headers={"content-type": "image/jpeg"})
+                with urllib.request.urlopen(request, timeout=60) as response:
+                    response.read()
+        tree = roles(psutil.Process(server.process.pid), "router")
+        rss_mb = rss_by_role(tree)
+        torch_in = sorted(role for pid, role in tree.items() if maps_torch(pid))
+    front_mb = [mb for role, mb in rss_mb.items() if role.startswith("front")]
+    return {"fleet": "config/fleet.yaml", "workers": workers, "rss_mb": rss_mb, "maps_torch": torch_in,
+            "targets": {f"parent RSS < {PARENT_RSS_TARGET_MB} MB": rss_mb.get("parent", 1 << 30) < PARENT_RSS_TARGET_MB,
+                        "each front's RSS < half the engine's": bool(front_mb) and
+                        max(front_mb) < rss_mb.get("engine", 0) / 2}}
 
 
 # -- the whole measurement ---------------------------------------------------------------------------
@@ -210,6 +271,7 @@ def split_host(store: Path, scratch: Path, seconds: float, warm_s: float = 2.0, 
     out["noop"] = measure("noop", noop, [("router", "1"), ("router", "2"), ("bare", "-")], store, scratch, 64, seconds,
                           warm_s, rounds)
     out["engine_alone"] = [engine_alone(2, 128, seconds / 2, FAST_BATCH) for _ in range(rounds)]
+    out["memory"] = memory_by_role(store, scratch)
     fast_c, noop_c = out["fast"]["contenders"], out["noop"]["contenders"]
     med = lambda table, name, key: table[name][key]["median"]
     figures = {
@@ -240,6 +302,7 @@ def split_host(store: Path, scratch: Path, seconds: float, warm_s: float = 2.0, 
         "engine CPU per request <= 50 us (engine alone, batches of 64)": figures["engine_alone_us"] <= 50,
         "front CPU per request <= 2x the bare Litestar handler's": figures["front_over_bare"] <= 2,
         "workers 2 >= 1.5x workers 1 on the fast accelerator": figures["w2_over_w1"] >= 1.5,
+        **{f"{what} (default fleet, workers 2)": met for what, met in out["memory"]["targets"].items()},
     }
     out["projection"] = project(figures["fast_front_us"], figures["fast_engine_us"], figures["fast_one_process_us"])
     out["load_average_end"] = [round(x, 2) for x in psutil.getloadavg()]
@@ -253,8 +316,12 @@ def main() -> None:
     parser.add_argument("--scratch", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--memory-only", action="store_true", help="only the memory measurement, printed as JSON")
     args = parser.parse_args()
     args.scratch.mkdir(parents=True, exist_ok=True)
+    if args.memory_only:
+        print(json.dumps(memory_by_role(args.store.resolve(), args.scratch)))
+        return
     result = split_host(args.store.resolve(), args.scratch, args.seconds, rounds=args.rounds,
                         concurrency=args.concurrency)
     summary = {k: v for k, v in result.items() if k not in ("fast", "noop")}

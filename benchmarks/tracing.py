@@ -40,7 +40,7 @@ __all__ = ["BASE_COMMIT", "tracing_overhead"]
 
 #: The last commit without tracing: the `before` server runs its router package.
 BASE_COMMIT = "39349539030b760e5ad0e2b2e225bae045d455fd"
-NOOP = Workload("noop", "scripted", {}, max_batch=8, max_delay_ms=0, content_type="application/json",
+NOOP = Workload("noop", "scripted", {"stdlib_json": True}, max_batch=8, max_delay_ms=0, content_type="application/json",
                 body=b'{"id": "bench"}', queue_size=256)
 CONCURRENCY = 32
 SAMPLERS = {"1%": {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.01"},

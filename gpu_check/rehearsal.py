@@ -1,9 +1,9 @@
-"""The GPU check rehearsed on a machine without a GPU: proof that a lent GPU's minutes go to the checks,
-not to set-up.
+"""The GPU check rehearsed on a machine without a GPU: proof that the offline check on a GPU host without
+index access reaches its results table.
 
     python -m gpu_check.rehearsal [--work .gpu-rehearsal] [--wheelhouse .whl]
 
-1. Builds the wheelhouse for the lent machine (CPython 3.12, as `make gpu-wheels`) and prints its size.
+1. Builds the wheelhouse for the target host (CPython 3.12, as `make gpu-wheels`) and prints its size.
 2. Installs it, --no-index, into a bare CPython 3.12 folder and loads every compiled extension it
    carries: the wheels fit the machine's interpreter (skipped where this machine has no 3.12).
 3. Emulates the machine: a virtual environment holding only distributions on its list
@@ -42,7 +42,7 @@ COMPARED = ("torch", "torchvision", "onnxruntime", "onnx", "numpy")
 
 
 def differences(device: Mapping[str, str | None], linked: int) -> str:
-    """How the emulated machine differs from the lent one."""
+    """How the emulated host differs from the image listed in device_packages.txt."""
     here = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
     versions = []
     for name in COMPARED:
@@ -247,7 +247,7 @@ def rehearse(work: Path, wheelhouse: Path) -> int:
     print(f"rehearsal: gpu-check.sh exited {done.returncode}; {time.monotonic() - started:.0f} s in all")
     for problem in problems:
         print(f"rehearsal: NOT AS DUE: {problem}")
-    print(f"rehearsal: differs from the lent machine: {differences(device, linked)}")
+    print(f"rehearsal: differs from the listed image: {differences(device, linked)}")
     print("rehearsal: passed" if not problems else "rehearsal: failed")
     return 1 if problems else 0
 

@@ -29,7 +29,7 @@ from gpu_check.loads import body_target, drive, photo, run_part
 
 __all__ = ["TRITON_RESNET50_A100", "Variant", "fleet_yaml", "throughput_rows", "variants"]
 
-TRITON_RESNET50_A100 = 6127.0  # img/s, Triton's published figure for ResNet-50 on an A100 (issue 27)
+TRITON_RESNET50_A100 = 6127.0  # img/s, Triton's published figure for ResNet-50 on an A100 (a reference, not measured side by side)
 
 
 @dataclass(frozen=True)

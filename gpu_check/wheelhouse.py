@@ -1,4 +1,4 @@
-"""The wheelhouse that travels to a lent GPU machine: every wheel the GPU check needs that the machine lacks.
+"""The wheelhouse for a GPU host without index access: every wheel the GPU check needs that its image lacks.
 
     python -m gpu_check.wheelhouse [--python 3.12] [--out .whl] [--limit-mib 60]
 
@@ -7,8 +7,8 @@ carry the versions the test suite runs with), from the router, its plugins and w
 with markers evaluated for the target Python on x86-64 Linux. What the machine already holds
 (device_packages.txt) stays behind; so do the few packages the check can do without (LEFT_OUT). The
 router's own projects are built here; the rest is downloaded as CPython wheels for manylinux x86-64.
-It prints the total and fails above the limit, naming the largest wheels: everything that travels to
-the machine, the working tree included, must stay under 64 MiB.
+It prints the total and fails above the limit (60 MiB unless --limit-mib says otherwise), naming the
+largest wheels.
 """
 
 from __future__ import annotations
@@ -30,18 +30,18 @@ from packaging.utils import canonicalize_name
 __all__ = ["LEFT_OUT", "PROVIDED_BY", "Plan", "build", "device_packages", "plan", "size_verdict", "walk"]
 
 REPO = Path(__file__).resolve().parents[1]
-DEVICE_PYTHON = "3.12"  # the lent machine's python3 is 3.12.3
+DEVICE_PYTHON = "3.12"  # the python3 of the image in device_packages.txt (3.12.3)
 DEFAULT_LIMIT_MIB = 60
 MiB = 2**20
 
 # The router's own distributions, built here from their source folders.
-LOCAL = {"model-router": ".", "model-router-yolo": "plugins/yolo", "model-router-resnet": "plugins/resnet",
-         "model-router-engines": "plugins/engines", "model-router-onnx": "plugins/onnx",
-         "model-router-tensorrt": "plugins/tensorrt", "model-router-testkit": "tests/plugin_dist"}
+LOCAL = {"vision-model-router": ".", "vision-model-router-yolo": "plugins/yolo", "vision-model-router-resnet": "plugins/resnet",
+         "vision-model-router-engines": "plugins/engines", "vision-model-router-onnx": "plugins/onnx",
+         "vision-model-router-tensorrt": "plugins/tensorrt", "vision-model-router-testkit": "tests/plugin_dist"}
 # What the check imports: the router and its plugins, the test kit's plugins, and pytest-asyncio
 # (pyproject's asyncio_mode; the machine has pytest but not it).
-ROOTS = ("model-router[tracing]", "model-router-yolo", "model-router-resnet", "model-router-engines[detect,classify,check]",
-         "model-router-onnx", "model-router-tensorrt", "model-router-testkit", "pytest-asyncio")
+ROOTS = ("vision-model-router[tracing]", "vision-model-router-yolo", "vision-model-router-resnet", "vision-model-router-engines[detect,classify,check]",
+         "vision-model-router-onnx", "vision-model-router-tensorrt", "vision-model-router-testkit", "pytest-asyncio")
 # In the tree, not carried: the check does without them.
 LEFT_OUT = {
     "opencv-python": "the machine's opencv-python-headless provides the same cv2 (opencv-python is a 67 MB wheel)",

@@ -2,7 +2,8 @@
 admin key for state changes.
 
 Keys come from the environment or secret files (one key a line), never from the fleet file.
-Every presented key is compared with every configured key in constant time.
+Every presented key is compared with every configured key in constant time. A request that carries
+two `authorization` values is refused (401, UNAUTHENTICATED), whichever of them is right.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ from pathlib import Path
 from router.config import ServerSettings
 from router.errors import ConfigError, Forbidden, Unauthorized, clip
 
-__all__ = ["Access", "AccessPolicy", "KeyHolder", "policy_from_settings", "read_keys"]
+__all__ = ["Access", "AccessPolicy", "Authorization", "KeyHolder", "policy_from_settings", "read_keys"]
+
+#: What a request presents: its one `authorization` value (None: none), or every value it carries.
+Authorization = str | tuple[str, ...] | None
 
 
 class Access(str, Enum):
@@ -98,7 +102,7 @@ class AccessPolicy:
                 f"health {'protected' if self.protect_health else 'open'}, "
                 f"metrics {'protected' if self.protect_metrics else 'open'}")
 
-    def check(self, access: Access, authorization: str | None) -> None:
+    def check(self, access: Access, authorization: Authorization) -> None:
         """Raise Unauthorized (401) or Forbidden (403) unless the presented key grants `access`."""
         if not self.enabled or access is Access.OPEN:
             return
@@ -117,8 +121,15 @@ class AccessPolicy:
         if not (is_admin or _matches(presented, self.predict_keys)):
             raise Unauthorized("a valid API key is required: send 'Authorization: Bearer <key>'")
 
+    def holds_key(self, authorization: Authorization) -> bool:
+        """Whether the client presents one of the configured keys (inference or admin); False when none is set."""
+        try:
+            presented = _bearer(authorization)
+        except Unauthorized:
+            return False
+        return _matches(presented, self.admin_keys) | _matches(presented, self.predict_keys)
 
-    def holder(self, authorization: str | None) -> KeyHolder:
+    def holder(self, authorization: Authorization) -> KeyHolder:
         """The holder of the presented key; Unauthorized (401) for a key that is not one of them."""
         if not self.enabled:
             return KeyHolder("", admin=True)
@@ -129,10 +140,17 @@ class AccessPolicy:
         return KeyHolder(hashlib.sha256(presented).hexdigest(), admin)
 
 
-def _bearer(header: str | None) -> bytes:
-    if not header:
+def _bearer(authorization: Authorization) -> bytes:
+    """The key presented; Unauthorized for two or more values, as neither HTTP nor gRPC says which one counts
+    (libraries and proxies pick the first or the last: a client must not get a say by sending both)."""
+    if isinstance(authorization, tuple):
+        if len(authorization) > 1:
+            raise Unauthorized(f"send one key ('Authorization: Bearer <key>'); the request carries "
+                               f"{len(authorization)} authorization values")
+        authorization = authorization[0] if authorization else None
+    if not authorization:
         return b""
-    scheme, _, value = header.strip().partition(" ")
+    scheme, _, value = authorization.strip().partition(" ")
     return value.strip().encode() if scheme.lower() == "bearer" else b""
 
 

@@ -9,27 +9,40 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from router.config import ServerSettings, load_settings
+from router.access import AccessPolicy, policy_from_settings
+from router.config import ServerSettings, config_error, load_settings
 from router.errors import ConfigError
-from router.http.auth import AccessPolicy, policy_from_settings
-from router.serving.plan import FleetPlan, load_plan
-from router.serving.registry import PluginRegistry
-from router.serving.transforms import TransformRegistry
-from router.tracing import tracing_from_environment
+
+if TYPE_CHECKING:
+    from router.serving.plan import FleetPlan
+
+# What serves, plugins and the web framework are imported by the subcommands that use them: the
+# parent of a split host runs this module and supervises, and imports none of them.
 
 __all__ = ["main"]
 
 log = logging.getLogger("router.cli")
 
+MISSING_FILES_HINT = ("model-router: put the files in the model store, or build the demo weights (yolov8n.pt, resnet18.pt) "
+                      "with `model-router store init-demo --store DIR`")
+
 
 def prepare(args: argparse.Namespace) -> tuple[ServerSettings, FleetPlan, AccessPolicy]:
     """Every validation that comes before the port opens, shared by `serve` and `check`: the
     settings, the fleet and its plugins' options and paths, the keys. Raises ConfigError."""
-    overrides = {k: v for k in ("config", "host", "port", "grpc_port", "workers") if (v := getattr(args, k, None)) is not None}
-    settings = load_settings(**overrides)
+    from router.serving.plan import load_plan
+
+    settings = settings_from(args)
     plan = load_plan(settings.config)
     return settings, plan, access_policy(settings)
+
+
+def settings_from(args: argparse.Namespace) -> ServerSettings:
+    """The settings, with the command's flags over the environment. Raises ConfigError."""
+    overrides = {k: v for k in ("config", "host", "port", "grpc_port", "workers") if (v := getattr(args, k, None)) is not None}
+    return load_settings(**overrides)
 
 
 def _refuse(exc: ConfigError) -> int:
@@ -38,6 +51,30 @@ def _refuse(exc: ConfigError) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from router.logs import configure_logging
+    from router.serving.threads import available_cores
+
+    try:
+        settings = settings_from(args)
+        policy = access_policy(settings)
+    except ConfigError as exc:
+        return _refuse(exc)
+    workers = settings.front_count(available_cores())
+    if workers > 1:  # N front processes and one engine (router.host): docs/architecture-processes.md
+        from router.host.supervisor import Supervisor
+
+        # The engine checks the fleet file (a bad one stops the host with status 2) and the
+        # fronts the tracing settings: this process supervises and loads no plugin.
+        configure_logging(settings.log_level, settings.log_format, role="parent")
+        log.info(policy.describe())
+        try:
+            return Supervisor(settings, workers).run()
+        except ConfigError as exc:  # a port another process has
+            return _refuse(exc)
+    return serve_one_process(args)
+
+
+def serve_one_process(args: argparse.Namespace) -> int:
     from router.grpc.server import grpc_server
     from router.http.app import Listener, create_app
     from router.http.server import run_server
@@ -46,19 +83,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from router.pipelines import PipelineRunner
     from router.serving.runtime import Runtime
     from router.serving.threads import apply_threads, available_cores, count_threads
+    from router.tracing import tracing_from_environment
 
     try:
         settings, plan, policy = prepare(args)
         tracing = tracing_from_environment()  # OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT turns it on
     except ConfigError as exc:
         return _refuse(exc)
-    workers = settings.front_count(available_cores())
-    if workers > 1:  # N front processes and one engine (router.host): docs/architecture-processes.md
-        from router.host.supervisor import Supervisor
-
-        configure_logging(settings.log_level, settings.log_format, role="parent")
-        log.info(policy.describe())
-        return Supervisor(settings, workers).run()
     configure_logging(settings.log_level, settings.log_format)
     threads = count_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
     apply_threads(threads)
@@ -83,6 +114,8 @@ def access_policy(settings: ServerSettings) -> AccessPolicy:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from router.tracing import tracing_from_environment
+
     try:
         _, plan, _ = prepare(args)
         tracing = tracing_from_environment()
@@ -91,6 +124,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     if tracing is not None:
         print(f"model-router: tracing: {tracing.describe()}", file=sys.stderr)
         tracing.shutdown()
+    if missing := [line for model in plan.models.values() for line in model.missing_files(plan.source)]:
+        print(f"model-router: {config_error(plan.source, missing)}\n{MISSING_FILES_HINT}", file=sys.stderr)
+        return 2
     print(json.dumps(plan.describe(), indent=2))
     pipelines = f", {len(plan.pipelines)} pipeline(s)" if plan.pipelines else ""
     print(f"model-router: {plan.source} is valid: {len(plan.models)} model(s){pipelines} on "
@@ -101,6 +137,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_plugins(args: argparse.Namespace) -> int:
     """Every entry point the router reads: model plugins, transforms, exporters, demo files. Exit 1 if any is broken."""
     from router.exporting import installed_exporters
+    from router.serving.registry import PluginRegistry
+    from router.serving.transforms import TransformRegistry
     from router.store import demo_files
 
     registry = PluginRegistry.from_entry_points()
@@ -131,6 +169,42 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plugins_check(args: argparse.Namespace) -> int:
+    """Run the plugin contract against one installed plugin; exit 1 naming the step it breaks."""
+    import mimetypes
+
+    from router.plugin_kit import ContractFailure, check_plugin
+    from router.sdk import Payload
+
+    try:
+        options = json.loads(args.options)
+    except json.JSONDecodeError as exc:
+        print(f"model-router: --options is a JSON object, got {args.options!r} ({exc})", file=sys.stderr)
+        return 2
+    if not isinstance(options, dict):
+        print(f"model-router: --options is a JSON object, got {args.options!r}", file=sys.stderr)
+        return 2
+    inputs = None
+    if args.inputs:
+        missing = [path for path in args.inputs if not path.is_file()]
+        if missing:
+            print(f"model-router: --input names no file: {', '.join(map(str, missing))}", file=sys.stderr)
+            return 2
+        inputs = [Payload(path.read_bytes(), mimetypes.guess_type(path.name)[0] or "application/octet-stream", path.name)
+                  for path in args.inputs]
+    try:
+        report = check_plugin(args.name, options=options, inputs=inputs, store=args.store, device=args.device,
+                              refuses=args.refuses)
+    except ContractFailure as exc:
+        print(f"model-router: {exc}", file=sys.stderr)
+        return 1
+    for line in report.steps:
+        print(f"ok\t{line}")
+    outcome = "refuses it as expected, naming the model" if report.refusal else "keeps the contract"
+    print(f"model-router: plugin {args.name!r} on {args.device}: {outcome} ({len(report.steps)} checks)", file=sys.stderr)
+    return 0
+
+
 def cmd_store_init_demo(args: argparse.Namespace) -> int:
     from router.store import DemoStoreError, init_demo
 
@@ -148,6 +222,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Export a fleet model (or convert an exported file) with the exporters the plugins declare."""
     from router.exporting import export_steps, installed_exporters, run_export, source_model
     from router.sdk.exporter import ExportError
+    from router.serving.plan import load_plan
 
     if args.model is None and args.from_file is None:
         print("model-router: export needs --model (a model of the fleet) or --from (an exported file)", file=sys.stderr)
@@ -200,11 +275,12 @@ def cmd_reload(args: argparse.Namespace) -> int:
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    """Deploy a fleet onto a running Ray cluster, show it, or take it down (needs model-router[ray])."""
+    """Deploy a fleet onto a running Ray cluster, show it, or take it down (needs the ray extra: pip install -e '.[ray]')."""
     try:
         from router.cluster import commands
     except ImportError as exc:
-        print(f"model-router: cluster needs Ray Serve: pip install 'model-router[ray]' ({exc})", file=sys.stderr)
+        print(f"model-router: cluster needs Ray Serve, the ray extra: pip install -e '.[ray]' in a checkout, or "
+              f"pip install --find-links dist 'vision-model-router[ray]' from built wheels ({exc})", file=sys.stderr)
         return 2
     try:
         if args.cluster_command == "deploy":
@@ -255,6 +331,20 @@ def parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list installed plugins, transforms, exporters and demo files "
                                              "(exit 1 if any is broken)")
     plugins.set_defaults(func=cmd_plugins)
+    plugins_sub = plugins.add_subparsers(dest="plugins_command")
+    check_one = plugins_sub.add_parser("check", help="run the plugin contract against one installed plugin "
+                                                     "(docs/plugins.md, \"Check your plugin\"); exit 1 if it breaks it")
+    check_one.add_argument("name", help="the plugin's entry-point name")
+    check_one.add_argument("--options", default="{}", help="the model's options: as a JSON object (default {})")
+    check_one.add_argument("--store", type=Path, default=Path("model_store"),
+                           help="the model store the options name files in (default model_store)")
+    check_one.add_argument("--input", dest="inputs", type=Path, action="append",
+                           help="an input file, each different (repeat it); default: three generated photos if the "
+                                "plugin accepts JPEG, else its example payload")
+    check_one.add_argument("--device", default="cpu", help="the device to load on: cpu or cuda:N (default cpu)")
+    check_one.add_argument("--refuses", action="store_true",
+                           help="the plugin is expected to refuse the device, with an error naming the model")
+    check_one.set_defaults(func=cmd_plugins_check)
     store = sub.add_parser("store", help="model store tasks")
     store_sub = store.add_subparsers(dest="store_command", required=True)
     demo = store_sub.add_parser("init-demo", help="build the demo weights (untrained) into the model store")
@@ -274,7 +364,7 @@ def parser() -> argparse.ArgumentParser:
     export.add_argument("--out", type=Path, help="path of the first file written (default: MODEL_STORE/MODEL.onnx); "
                                                  "an engine goes beside the ONNX file")
     export.set_defaults(func=cmd_export)
-    cluster = sub.add_parser("cluster", help="scale out on a Ray cluster: deploy, status, shutdown (model-router[ray])")
+    cluster = sub.add_parser("cluster", help="scale out on a Ray cluster: deploy, status, shutdown (the ray extra)")
     cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
     deploy = cluster_sub.add_parser("deploy", help="deploy a fleet file with a cluster: section onto Ray Serve")
     deploy.add_argument("--config", type=Path, default=Path(os.environ.get("MODEL_ROUTER_CONFIG", "config/fleet.yaml")))

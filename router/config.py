@@ -515,6 +515,14 @@ class ServerSettings(BaseSettings):
     grpc_port: int = Field(8001, ge=0, le=65535, description="the Open Inference Protocol over gRPC; 0 turns it off")
     grpc_stream_frames: int = Field(16, ge=1, le=4096, description="frames of one gRPC stream unanswered at once; "
                                                                      "past that the stream is not read (back-pressure)")
+    grpc_keyless_streams: int = Field(256, ge=1, le=1_000_000, description=(
+        "open gRPC streams without an inference key (health Watch; ModelStreamInfer on a server without keys), all "
+        "connections together (at most a quarter of max_connections); more are RESOURCE_EXHAUSTED"))
+    grpc_keyless_streams_per_connection: int = Field(16, ge=1, le=1_000_000,
+                                                     description="the same, on one connection")
+    grpc_keyless_awaited: int = Field(256, ge=1, le=1_000_000, description=(
+        "gRPC calls without an inference key waiting for their request message (at most a quarter of "
+        "max_connections); one more ends the longest-waiting one with RESOURCE_EXHAUSTED"))
     shared_memory: Literal["loopback", "any", "off"] = Field(
         "loopback", description="who may use V2 system shared memory: clients on this host, any client, or none")
     shared_memory_register: Literal["admin", "inference"] = Field(

@@ -6,6 +6,7 @@ statuses to gRPC's codes."""
 from __future__ import annotations
 
 import asyncio
+import json
 import reprlib
 from collections.abc import Mapping
 from typing import ClassVar, Final
@@ -48,6 +49,7 @@ __all__ = [
     "grpc_code",
     "grpc_status",
     "outcome_of",
+    "undecodable",
     "v2_status",
     "with_detail",
 ]
@@ -283,6 +285,17 @@ def with_detail(error: RouterError, detail: str) -> RouterError:
     RouterError.__init__(copy, detail, headers=error.headers)
     copy.retry_after_s = error.retry_after_s
     return copy
+
+
+def undecodable(error: BaseException) -> InputError | None:
+    """The InputError that a plugin's failure to decode one input stands for, or None (a plugin
+    bug): a RecursionError (the input nests deeper than a recursive parser can follow, such as
+    `json.loads`), a JSON or a Unicode decoding error."""
+    if isinstance(error, RecursionError):
+        return InputError(f"the input could not be decoded: it nests too deeply ({type(error).__name__})")
+    if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):
+        return InputError(f"the input could not be decoded: {type(error).__name__}: {clip(str(error), 200)}")
+    return None
 
 
 def outcome_of(error: BaseException) -> str:

@@ -1,6 +1,8 @@
 """Structured logs: JSON lines, or readable text lines on a terminal, with the same fields either way.
 Each record carries the request id of the request being served, if any, and its trace id when
-tracing is on, so that a line leads to the request's trace."""
+tracing is on, so that a line leads to the request's trace. A line is bounded whatever a record
+holds: its message and each text field at `MAX_FIELD_CHARS`, a traceback at `MAX_TRACEBACK_CHARS`
+(a client's header quoted by a library's warning is cut, not copied whole)."""
 
 from __future__ import annotations
 
@@ -22,13 +24,16 @@ from typing import Any, Literal, TextIO
 
 import msgspec
 
-__all__ = ["REQUEST_ID_PATTERN", "JsonFormatter", "LogFormat", "TextFormatter", "configure_logging", "formatter_for",
+__all__ = ["MAX_FIELD_CHARS", "MAX_TRACEBACK_CHARS", "REQUEST_ID_PATTERN", "JsonFormatter", "LogFormat", "TextFormatter", "configure_logging", "formatter_for",
            "incoming_or_new", "new_request_id", "record_fields", "request_id_var", "trace_id_var"]
 
 _JSON = msgspec.json.Encoder(enc_hook=str)
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 trace_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("trace_id", default=None)
+#: The most characters a line keeps of a message or a text field, and of a traceback.
+MAX_FIELD_CHARS = 2_000
+MAX_TRACEBACK_CHARS = 16_000
 #: A request id a client may choose (X-Request-ID, gRPC's x-request-id metadata).
 REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
@@ -74,13 +79,22 @@ def _second(seconds: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
 
 
+def _cut(text: str, limit: int) -> str:
+    """`text`, or its start and end around a note of how much was cut from its middle."""
+    if len(text) <= limit:
+        return text
+    keep = limit // 2
+    return f"{text[:keep]} [... {len(text) - 2 * keep} characters cut ...] {text[-keep:]}"
+
+
 def record_fields(record: logging.LogRecord, formatter: logging.Formatter) -> dict[str, Any]:
-    """Time, level, logger, message, request_id and any `extra` fields of one record."""
+    """Time, level, logger, message, request_id and any `extra` fields of one record, text cut
+    to `MAX_FIELD_CHARS` (a traceback to `MAX_TRACEBACK_CHARS`)."""
     entry: dict[str, Any] = {
         "ts": f"{_second(int(record.created))}.{int(record.msecs):03d}Z",
         "level": record.levelname.lower(),
         "logger": record.name,
-        "message": record.getMessage(),
+        "message": _cut(record.getMessage(), MAX_FIELD_CHARS),
     }
     request_id = getattr(record, "request_id", None) or request_id_var.get()
     if request_id:
@@ -90,9 +104,9 @@ def record_fields(record: logging.LogRecord, formatter: logging.Formatter) -> di
         entry["trace_id"] = trace_id
     for key, value in record.__dict__.items():
         if key not in _RESERVED and key not in entry and not key.startswith("_"):
-            entry[key] = value
+            entry[key] = _cut(value, MAX_FIELD_CHARS) if isinstance(value, str) else value
     if record.exc_info:
-        entry["exception"] = formatter.formatException(record.exc_info)
+        entry["exception"] = _cut(formatter.formatException(record.exc_info), MAX_TRACEBACK_CHARS)
     return entry
 
 

@@ -23,7 +23,7 @@ if [ -n "$wheels" ] && [ -f "$wheels/wheelhouse.json" ]; then
     venv="$work/venv"
     started=$SECONDS
     # --without-pip, and the base's site packages through a .pth file rather than
-    # --system-site-packages: where python3 is itself a venv (as on the lent machine), its packages
+    # --system-site-packages: where python3 is itself a venv (as in some GPU images), its packages
     # are its venv's, which --system-site-packages would not show.
     {
         "$base" -m venv --without-pip "$venv" &&

@@ -33,7 +33,7 @@ def skip_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA: torch.cuda.is_available() is False"
     if importlib.util.find_spec("ray") is None:
-        return "Ray is not installed (not carried to a lent GPU: its wheel is 76 MiB, beyond the wheelhouse's 60 MiB)"
+        return "Ray is not installed (the offline wheelhouse leaves it out: its wheel is 76 MiB; pip install -e '.[ray]' where an index is reachable)"
     return None
 
 

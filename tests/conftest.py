@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from router.cli import parser as cli_parser
 
 REPO = Path(__file__).resolve().parents[1]
 #: The only wall-clock bound a test may assert: long enough that a machine with a core kept busy
@@ -99,12 +101,13 @@ class RouterProcess:
 @contextmanager
 def serve(
     tmp_path: Path, fleet: str, *, env: dict[str, str] | None = None, wait_ready: bool = True, timeout: float = 90.0,
-    memory_limit: int | None = None,
+    memory_limit: int | None = None, args: Sequence[str] = (),
 ) -> Iterator[RouterProcess]:
     """Write `fleet` to a file, start `python -m router serve` on a free port (and gRPC on another:
     never the shared default 8001, which SO_REUSEPORT would let two test servers split), wait until
     ready. With `memory_limit` (bytes of address space, as `prlimit --as`), a regression that makes
-    the server balloon fails its test instead of exhausting the machine."""
+    the server balloon fails its test instead of exhausting the machine. `args`: flags after `serve`;
+    the server is looked for where its `--host`, `--port` and `--grpc-port` say."""
     config = tmp_path / "fleet.yaml"
     config.write_text(fleet, encoding="utf-8")
     port, grpc_port = free_port(), free_port()
@@ -112,9 +115,14 @@ def serve(
     child_env = {**os.environ, "MODEL_ROUTER_HOST": "127.0.0.1", "MODEL_ROUTER_PORT": str(port),
                  "MODEL_ROUTER_GRPC_PORT": str(grpc_port), "MODEL_ROUTER_CONFIG": str(config), **(env or {})}
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen([*_limited(memory_limit), sys.executable, "-m", "router", "serve"], cwd=REPO,
+        process = subprocess.Popen([*_limited(memory_limit), sys.executable, "-m", "router", "serve", *args], cwd=REPO,
                                    env=child_env, stdout=log_file, stderr=subprocess.STDOUT)
-    server = RouterProcess(f"http://127.0.0.1:{port}", process, log_path, f"127.0.0.1:{child_env['MODEL_ROUTER_GRPC_PORT']}")
+    flags = cli_parser().parse_args(["serve", *args])
+    host = flags.host or child_env["MODEL_ROUTER_HOST"]
+    host = f"[{host}]" if ":" in host else host
+    port = child_env["MODEL_ROUTER_PORT"] if flags.port is None else flags.port
+    grpc_port = child_env["MODEL_ROUTER_GRPC_PORT"] if flags.grpc_port is None else flags.grpc_port
+    server = RouterProcess(f"http://{host}:{port}", process, log_path, f"{host}:{grpc_port}")
     try:
         _wait_for(server, "/health/ready" if wait_ready else "/health/live", timeout)
         yield server

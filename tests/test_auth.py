@@ -86,6 +86,54 @@ def test_missing_or_wrong_keys_are_401(access: Access, header: str | None) -> No
     assert error.value.status_code == 401 and error.value.headers["WWW-Authenticate"].startswith("Bearer")
 
 
+@pytest.mark.parametrize("values", [(f"Bearer {PREDICT}", "Bearer wrong-key-of-some-length"),
+                                    ("Bearer wrong-key-of-some-length", f"Bearer {PREDICT}"),
+                                    (f"Bearer {PREDICT}", f"Bearer {PREDICT}")])
+def test_two_authorization_values_are_401_whichever_is_right(values: tuple[str, str]) -> None:
+    with pytest.raises(Unauthorized) as error:
+        policy().check(Access.PREDICT, values)
+    assert error.value.detail == "send one key ('Authorization: Bearer <key>'); the request carries 2 authorization values"
+    assert not policy().holds_key(values)
+    policy().check(Access.PREDICT, values[1:] if values[1].endswith(PREDICT) else values[:1])  # one value: the key
+    AccessPolicy().check(Access.PREDICT, values)  # no keys set: nothing is read
+
+
+def test_holding_a_key() -> None:
+    assert policy().holds_key(f"Bearer {PREDICT}") and policy().holds_key((f"Bearer {ADMIN}",))
+    assert not policy().holds_key(None) and not policy().holds_key("Bearer wrong-key-of-some-length")
+    assert not AccessPolicy().holds_key(f"Bearer {PREDICT}")  # no keys set: nobody holds one
+
+
+@pytest.mark.e2e
+def test_two_authorization_values_are_refused_over_http_and_grpc(tmp_path: Path) -> None:
+    """Wrong then right, and right then wrong: 401 over HTTP and UNAUTHENTICATED over gRPC alike (before: HTTP
+    read the first value and gRPC the last, so wrong-then-right was 401 over HTTP and served over gRPC)."""
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    detail = "send one key ('Authorization: Bearer <key>'); the request carries 2 authorization values"
+    right, wrong = f"Bearer {PREDICT}", "Bearer wrong-key-of-some-length"
+    with serve(tmp_path, "models:\n  m: {plugin: scripted}\n", env={"MODEL_ROUTER_API_KEYS": PREDICT}) as server, \
+            grpc.insecure_channel(server.grpc_address) as channel:
+        metadata = channel.unary_unary("/inference.GRPCInferenceService/ModelMetadata",
+                                       request_serializer=service_pb2.ModelMetadataRequest.SerializeToString,
+                                       response_deserializer=service_pb2.ModelMetadataResponse.FromString)
+        for pair in ((wrong, right), (right, wrong)):
+            answer = httpx.post(server.url + "/models/m/predict", json={"id": "a"},
+                                headers=[("Authorization", pair[0]), ("Authorization", pair[1])])
+            assert (answer.status_code, answer.json()["detail"]) == (401, detail)
+            v2 = httpx.get(server.url + "/v2/models/m", headers=[("Authorization", pair[0]), ("Authorization", pair[1])])
+            assert (v2.status_code, v2.json()["error"]) == (401, detail)
+            with pytest.raises(grpc.RpcError) as refused:
+                metadata(service_pb2.ModelMetadataRequest(name="m"), metadata=(("authorization", pair[0]),
+                                                                               ("authorization", pair[1])), timeout=10)
+            assert (refused.value.code(), refused.value.details()) == (grpc.StatusCode.UNAUTHENTICATED, detail)
+        served = httpx.post(server.url + "/models/m/predict", json={"id": "b"}, headers={"Authorization": right})
+        assert served.status_code == 200
+        assert metadata(service_pb2.ModelMetadataRequest(name="m"), metadata=(("authorization", right),),
+                        timeout=10).name == "m"
+
+
 def test_inference_key_cannot_change_state() -> None:
     policy().check(Access.PREDICT, f"Bearer {PREDICT}")
     with pytest.raises(Forbidden) as error:

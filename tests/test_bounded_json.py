@@ -1,4 +1,4 @@
-"""JSON measured before parsing (router/http/kserve/bounded_json.py): nesting exact on valid JSON,
+"""JSON measured before parsing (router/sdk/bounded_json.py): nesting exact on valid JSON,
 blind to brackets inside strings, linear on hostile text; the parsed size estimated; lone
 surrogates found."""
 
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from router.errors import InputError, PayloadTooLarge
-from router.http.kserve.bounded_json import (
+from router.sdk.bounded_json import (
     JsonCounts,
     allowed_bytes,
     count_json,
@@ -65,6 +65,20 @@ def test_bad_json_names_what_was_expected() -> None:
     with pytest.raises(InputError, match="the body must be the JSON inference request: Expecting"):
         loads_bounded(b"{not json", "the body", expected="the JSON inference request")
     assert loads_bounded(b'{"a": [1, 2]}', "the body") == {"a": [1, 2]}
+
+
+def test_a_plugins_limits_on_depth_and_size_are_its_own() -> None:
+    """What the SDK offers plugins: a depth of their choosing, a size bound (413), text or bytes."""
+    with pytest.raises(InputError, match="the input nests arrays and objects more than 2 levels deep"):
+        loads_bounded('{"a": [[1]]}', max_depth=2)
+    assert loads_bounded('{"a": [1]}', max_depth=2) == {"a": [1]}
+    with pytest.raises(PayloadTooLarge, match="the item is 12 bytes of JSON; at most 11 are accepted") as error:
+        loads_bounded('{"a": "bcd"}', "the item", max_bytes=11)
+    assert error.value.status_code == 413
+    assert loads_bounded('{"a": "bcd"}', "the item", max_bytes=12) == {"a": "bcd"}
+    assert loads_bounded('["\u00e9"]', max_bytes=6) == ["\u00e9"]  # a str counts as its UTF-8 bytes
+    with pytest.raises(InputError, match=r"lone surrogate \(\\ud800\)"):
+        loads_bounded('["\ud800"]')  # a str holding one, not only its escape
 
 
 @pytest.mark.parametrize(("text", "found"), [

@@ -78,6 +78,22 @@ def test_a_valid_store_path_passes(tmp_path: Path, capsys: pytest.CaptureFixture
     assert code == 0 and "is valid" in err
 
 
+def test_check_names_each_missing_model_file_by_model_key_and_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fleet = store_fleet(tmp_path, "resnet50.pt", ", labels_file: labels.txt")
+    code = main(["check", "--config", str(fleet)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""  # no plan printed: the fleet cannot serve as written
+    store = (tmp_path / "store").resolve()
+    assert f"{fleet}: models.clf.options.weights: 'resnet50.pt': no such file ({store / 'resnet50.pt'})" in err
+    assert f"{fleet}: models.clf.options.labels_file: 'labels.txt': no such file ({store / 'labels.txt'})" in err
+    assert "model-router store init-demo" in err  # and how to get the demo weights
+    (store / "resnet50.pt").write_bytes(b"not loaded by check")
+    (store / "labels.txt").write_text("cat\n", encoding="utf-8")
+    assert check(fleet, capsys)[0] == 0
+
+
 @pytest.mark.parametrize(("env", "words"), [
     ({"MODEL_ROUTER_PORT": "abc"}, "environment: MODEL_ROUTER_PORT: Input should be a valid integer"),
     ({"MODEL_ROUTER_API_KEY": "k" * 20}, "environment: MODEL_ROUTER_API_KEY: not a setting; did you mean MODEL_ROUTER_API_KEYS?"),

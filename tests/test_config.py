@@ -206,7 +206,7 @@ def test_check_prints_the_plan_as_json_and_exits_zero(tmp_path: Path, capsys: py
     assert described["source"] == str(path)
     assert described["models"]["m"]["plugin"] == "scripted"
     assert described["models"]["m"]["batch"]["max_size"] == 4
-    assert described["models"]["m"]["distribution"].startswith("model-router-testkit")
+    assert described["models"]["m"]["distribution"].startswith("vision-model-router-testkit")
     assert "is valid" in err
 
 

@@ -178,7 +178,7 @@ def test_an_unfit_transform_is_refused_when_it_registers(target: object, message
 def test_the_built_in_names_are_taken_and_entry_points_are_found() -> None:
     registry = TransformRegistry.from_entry_points()
     assert {"crop", "whole", "halves"} <= set(registry.names())  # halves: the test kit's distribution
-    assert registry.get("halves") is not None and registry.get("halves").distribution == "model-router-testkit"
+    assert registry.get("halves") is not None and registry.get("halves").distribution == "vision-model-router-testkit"
     with pytest.raises(PluginValidationError, match="the name of a built-in transform"):
         registry.register("crop", Good)
     registry.register("good", Good)

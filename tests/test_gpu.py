@@ -27,7 +27,7 @@ MiB = 2**20
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo checkpoints, built here: the repository's model_store/ does not travel to a lent GPU."""
+    """The demo checkpoints, built here: the repository's model_store/ may not be on the GPU host."""
     from router.store import init_demo
 
     path = tmp_path_factory.mktemp("model_store")

@@ -1,5 +1,6 @@
 """Loading (router/serving/loading.py): warm-up batches are capped by the memory budget like any
-batch, and a model whose one input cannot fit fails before any warm-up batch runs."""
+batch, each size is timed several times, and a model whose one input cannot fit fails before any
+warm-up batch runs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from router.serving.loading import warmup_sizes
+from router.serving.loading import TIMING_RUNS, warmup_sizes
 from router.serving.plan import load_plan
 from router.serving.runtime import Runtime
 
@@ -64,6 +65,13 @@ async def test_warm_up_batches_are_capped_by_the_model_budget(tmp_path: Path) ->
     assert described["batch"] == {"max_size": 8, "max_delay_ms": 5.0, "effective_max_size": 4}
     sizes = warm_up_batches(tmp_path / "batches.jsonl")
     assert sizes and max(sizes) == 4, sizes  # warm-up at [1, 4], then the timed batches at [1, 4]
+
+
+async def test_each_batch_size_is_timed_several_times_after_warm_up(tmp_path: Path) -> None:
+    """The deadline gate's estimate is seeded from the fastest timing of each size
+    (`BatchTime.seed`), so one that met a busy host does not become its prior."""
+    await load(tmp_path, budget=1500)
+    assert warm_up_batches(tmp_path / "batches.jsonl") == [1, 4] + [1] * TIMING_RUNS + [4] * TIMING_RUNS
 
 
 async def test_configured_warm_up_sizes_are_capped_too(tmp_path: Path) -> None:

@@ -15,7 +15,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from router.logs import JsonFormatter, TextFormatter, formatter_for, request_id_var
+from router.logs import (
+    MAX_FIELD_CHARS,
+    MAX_TRACEBACK_CHARS,
+    JsonFormatter,
+    TextFormatter,
+    formatter_for,
+    record_fields,
+    request_id_var,
+)
 from tests.conftest import serve
 
 ACCESS = {"method": "POST", "path": "/models/m/predict", "status": 200, "duration_ms": 12.5, "model": "m",
@@ -86,3 +94,22 @@ def test_a_server_writes_readable_lines_when_asked(tmp_path: Path) -> None:
     (access,) = [parse_text(line) for line in lines if "request_id=text-1" in line and ": request " in line]
     assert access["status"] == "200" and access["model"] == "m" and access["level"] == "info"
     assert {"duration_ms", "queue_wait_ms", "execution_ms", "batch_size"} <= access.keys()
+
+
+def test_a_line_is_bounded_whatever_its_record_holds() -> None:
+    """A library's warning that quotes a client's 60 KB header, a long field, a long traceback:
+    each cut in its middle, saying how much was cut."""
+    try:
+        raise ValueError("x" * 60_000)
+    except ValueError as exc:
+        error = exc
+    record = logging.LogRecord("lib", logging.WARNING, __file__, 1, "header `%s` too long", ("h" * 60_000,),
+                               (type(error), error, error.__traceback__))
+    record.field = "f" * 60_000
+    for formatter in (JsonFormatter(), TextFormatter()):
+        line = formatter.format(record)
+        assert len(line) < 3 * MAX_FIELD_CHARS + MAX_TRACEBACK_CHARS
+        assert line.count("characters cut ...]") == 3, line[:300]
+    fields = record_fields(record, JsonFormatter())
+    assert fields["message"].startswith("header `hhh") and fields["message"].endswith("hhh` too long")
+    assert len(fields["field"]) < MAX_FIELD_CHARS + 40 and fields["exception"].startswith("Traceback")

@@ -64,9 +64,20 @@ def test_targets_say_met_or_missed_with_their_direction() -> None:
 
 def test_sections_absent_from_a_partial_run_are_left_out() -> None:
     page = render(small_results())
-    for heading in ("## Photo surges", "## Cold starts", "## Cluster", "## The live page", "## Four models"):
+    for heading in ("## ResNet18 surges", "## Photo surges", "## Cold starts", "## Cluster", "## The live page", "## Four models"):
         assert heading not in page
     assert "## Throughput and latency" in page
+
+
+def test_the_resnet18_surge_rounds_are_tabled_with_what_the_device_did() -> None:
+    results = small_results()
+    device = {"batches": 30, "mean_batch": 8.0, "median_batch_ms": 338.2, "busy_share": 0.998}
+    results["workloads"]["resnet18"]["surge_rounds"] = {"runs": {"router": [
+        {"round": 1, "offered_rps": 222.65, "goodput_rps": 38.75, "ratio": 0.87, "statuses": {"200": 314, "503": 1455},
+         "device": device}]}}
+    page = render(results)
+    assert "## ResNet18 surges" in page
+    assert "| 1 | 222.65 | 38.75 | 0.87 | 200:314 503:1455 | 0.998 | 8.0 | 338.2 |" in page
 
 
 def test_litserve_cpu_is_marked_unmeasured_in_runs_that_did_not_count_its_workers() -> None:
@@ -100,3 +111,15 @@ def test_the_split_host_section_states_its_figures_and_targets() -> None:
     for what, met in split["targets"].items():
         assert f"- {'met' if met else 'missed'}: {what}" in page
     assert "## One host split" not in render(small_results())
+
+
+def test_the_split_host_section_states_each_processs_memory() -> None:
+    """RSS by process role: per contender (its median run) and for the default fleet, torch marked."""
+    split = json.loads((RESULTS.parent / "split_host.json").read_text(encoding="utf-8"))
+    split["fast"]["contenders"]["router 2"]["median_run"]["rss_mb"] = {"engine": 310, "front 1": 95, "parent": 41}
+    split["memory"] = {"fleet": "config/fleet.yaml", "workers": 2, "maps_torch": ["engine", "front 1"],
+                       "rss_mb": {"engine": 1324, "front 1": 790, "parent": 41}}
+    page = render({**small_results(), "scenarios": {"split": split}})
+    assert " | engine 310, front 1 95, parent 41 |\n" in page
+    assert "the default fleet (config/fleet.yaml) with workers 2" in page
+    assert "| engine | 1324 | yes |\n| front 1 | 790 | yes |\n| parent | 41 | no |" in page

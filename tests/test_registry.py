@@ -72,8 +72,8 @@ def test_entry_points_discover_plugins_from_another_distribution() -> None:
     assert {"toy", "scripted"} <= set(registry.names())
     for name in ("toy", "scripted"):
         info = registry.get(name)
-        assert info.distribution == "model-router-testkit"
-        assert info.version == "0.1.0"
+        assert info.distribution == "vision-model-router-testkit"
+        assert info.version == "0.2.0"
         assert info.cls.__module__.startswith("router_testkit.")
     assert not {"toy", "scripted"} & set(registry.broken)
 

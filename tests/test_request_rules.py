@@ -24,9 +24,10 @@ import pytest
 
 from router.cluster.front import ClusterRuntime, PredictCall
 from router.cluster.reports import ErrorReply, ReplicaReport, Reply
-from router.config import load_fleet
+from router.config import ServerSettings, load_fleet
 from router.errors import InputError, ModelNotFound, ModelUnavailable, PayloadTooLarge, QueueFull, RouterError, ShuttingDown
 from router.host.client import EngineClient
+from router.host.handover import write_settings
 from router.sdk.plugin import Payload
 from router.serving.facade import ServingFacade
 from router.serving.plan import load_plan
@@ -102,10 +103,12 @@ async def front(kind: str, tmp_path: Path) -> AsyncIterator[Front]:
 
 @asynccontextmanager
 async def _split_host(path: Path, tmp_path: Path) -> AsyncIterator[EngineClient]:
-    socket_path = tmp_path / "engine.sock"
-    env = {**os.environ, "MODEL_ROUTER_CONFIG": str(path), "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    socket_path, settings = tmp_path / "engine.sock", tmp_path / "settings.json"
+    write_settings(ServerSettings(config=path), settings)
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     engine = await asyncio.create_subprocess_exec(sys.executable, "-m", "router.host.engine_main", "--socket",
-                                                  str(socket_path), "--parent", str(os.getpid()), env=env)
+                                                  str(socket_path), "--parent", str(os.getpid()), "--settings",
+                                                  str(settings), env=env)
     client = EngineClient(socket_path, 1)
     try:
         await client.start()

@@ -16,6 +16,7 @@ from router.errors import (
     DeadlineExceeded,
     DeviceOutOfMemory,
     ExecutionTimeout,
+    InputError,
     ModelError,
     QueueFull,
     ShuttingDown,
@@ -305,6 +306,25 @@ class Buggy(ModelPlugin):  # type: ignore[type-arg]
 
     def memory_estimate(self) -> MemoryEstimate:
         return MemoryEstimate(0, 0)
+
+
+async def test_an_input_that_preprocess_cannot_decode_is_a_400_without_a_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The plugin's own json.loads recursing past the interpreter's limit, or failing on text that
+    is not JSON or not UTF-8: the client's input, so a 400 naming the decoding error, not a bug."""
+    registry = PluginRegistry.from_entry_points(only=[])
+    registry.register("buggy", Buggy)
+    fleet = "models:\n  m: {plugin: buggy, warmup: {enabled: false}}\n"
+    bodies = {b"[" * 5_000: "it nests too deeply (RecursionError)", b"{nope": "JSONDecodeError: Expecting",
+              b'{"id": "\xff"}': "UnicodeDecodeError"}
+    async with running(make_runtime(tmp_path, fleet, registry)) as runtime:
+        for body, detail in bodies.items():
+            with pytest.raises(InputError) as error:
+                await runtime.submit("m", Payload(body, "application/json"))
+            assert error.value.status_code == 400 and detail in error.value.detail, error.value.detail
+        assert (await runtime.submit("m", ask("fine"))).output == {"id": "fine"}
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
 @pytest.mark.parametrize(("ident", "hook", "detail"), [

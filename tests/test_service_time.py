@@ -57,6 +57,25 @@ def test_seed_never_gives_an_item_a_negative_cost() -> None:
     assert times.seconds(8, now=0.0) == pytest.approx(0.3)
 
 
+def test_a_slow_warm_up_timing_does_not_become_the_prior_the_gate_refuses_by() -> None:
+    """Warm-up times each size several times. The first pair here met a busy host (as a ResNet18
+    start-up did: 1.19 s for a batch of 8 that then ran in 0.33 s); fitted through, it became the
+    speed the load factor relaxes to, above a 1 s deadline, and the gate refused at an empty queue
+    while the device was about to free."""
+    times = BatchTime()
+    times.seed([(1, 0.296), (8, 1.194), (1, 0.030), (8, 0.150), (1, 0.031), (8, 0.155)])
+    assert times.fixed_s + times.per_item_s == pytest.approx(0.030)
+    assert times.base_s(8) == pytest.approx(0.150)
+    for step in range(10):  # the surge's batches, each 0.33 s
+        times.observe(8, 0.33, now=step * 0.33)
+    now = 10 * 0.33 + HALF_LIFE_S  # no batch finished since: the factor relaxed halfway to its prior
+    running = InstanceLoad(times, busy_until=now + 0.25)
+    prediction = predict_answer(now, [running], queued_ahead=0, max_batch=8, max_delay_s=0.005)
+    assert prediction is not None
+    assert prediction.answer_in_s < 1.0
+    assert deadline_gate(prediction, 1.0, idle=False, half_open=False).admit
+
+
 def test_unseeded_estimate_predicts_nothing_until_a_batch_runs() -> None:
     times = BatchTime()
     assert times.seconds(4, now=0.0) == 0.0

@@ -24,7 +24,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from router.errors import ConfigError, DeadlineExceeded, ModelError, QueueFull
 from router.logs import JsonFormatter, trace_id_var
 from router.tracing import SpanRef, tracing_from_environment
-from router.tracing.otel import BatchSampler, OtelRequestSpan, OtelTracing
+from router.tracing.otel import BatchSampler, OtelRequestSpan, OtelTracing, trace_context
 from tests.conftest import REPO
 from tests.test_runtime import ask, busy, make_runtime, one_at_a_time, running, until
 
@@ -145,6 +145,42 @@ def test_a_client_traceparent_is_the_parent_and_the_answer_names_the_server_span
     echoed = dict(span.response_headers())
     assert echoed[b"traceparent"] == f"00-{TRACE}-{server.context.span_id:016x}-01".encode()
     assert echoed[b"tracestate"] == b"vendor=abc"
+
+
+W3C_FIELDS = frozenset({"traceparent", "tracestate", "baggage"})
+
+
+@pytest.mark.parametrize(("fields", "kept"), [
+    ([("traceparent", "00-x"), ("cookie", "c"), ("baggage", "a=1")], {"traceparent": ["00-x"], "baggage": ["a=1"]}),
+    ([("baggage", "k=" + "v" * 8190)], {"baggage": ["k=" + "v" * 8190]}),  # 8,192: W3C's most
+    ([("baggage", "k=" + "v" * 8191)], {}),
+    ([("baggage", ",".join(f"m{i}=v" for i in range(64)))], {"baggage": [",".join(f"m{i}=v" for i in range(64))]}),
+    ([("baggage", ",".join(f"m{i}=v" for i in range(65)))], {}),  # W3C: at most 64 members
+    ([("tracestate", "v=" + "x" * 511)], {}),  # W3C: 512 characters propagated
+    ([("tracestate", ",".join(f"v{i}=x" for i in range(33)))], {}),  # and 32 members
+    ([("tracestate", "a=1"), ("tracestate", "b=2")], {"tracestate": ["a=1", "b=2"]}),  # several lines: one list
+    ([("traceparent", "00-x"), ("traceparent", "00-y")], {}),  # one traceparent, or none
+    ([("traceparent", "0" * 513)], {}),
+])
+def test_a_callers_trace_context_is_bounded_before_a_propagator_reads_it(
+    fields: list[tuple[str, str]], kept: dict[str, list[str]],
+) -> None:
+    assert trace_context(fields, W3C_FIELDS) == kept
+
+
+def test_what_a_propagator_says_of_a_callers_context_is_not_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """Malformed baggage members under the bounds: the propagator would warn, quoting each one."""
+    tracing, exporter = in_memory()
+    baggage = ",".join(f"bad key {i}=" + "v" * 100 for i in range(60)).encode()
+    with caplog.at_level(logging.DEBUG):
+        span = tracing.start_request("POST", "/models/m/predict", [(b"traceparent", f"00-{TRACE}-{PARENT}-01".encode()),
+                                                                 (b"baggage", baggage)], time.monotonic())
+        span.end(200, time.monotonic())
+        logging.getLogger("opentelemetry.baggage.propagation").warning("outside a caller's context: kept")
+    [server] = exporter.get_finished_spans()
+    assert server.parent is not None and f"{server.parent.span_id:016x}" == PARENT  # the traceparent still counts
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry")] == [
+        "outside a caller's context: kept"]
 
 
 def test_an_unsampled_request_records_nothing_and_says_so_downstream() -> None:

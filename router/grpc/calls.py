@@ -2,7 +2,8 @@
 time it arrived and its deadline, errors mapped to gRPC status codes from the one table
 (`router.errors.grpc_status`), and one structured access line.
 
-Metadata the router reads: `authorization` (`Bearer <key>`, as the HTTP header), `x-request-id`,
+Metadata the router reads: `authorization` (`Bearer <key>`, as the HTTP header; two values are
+UNAUTHENTICATED, as two headers are 401 over HTTP), `x-request-id`,
 `x-priority` (the router's priority level, as the native X-Priority header; the request's
 `priority` parameter, Triton's, wins), `traceparent` and `tracestate` (W3C trace context). The
 request id comes back in trailing metadata. With tracing on, each call but the polled ones is a
@@ -27,12 +28,13 @@ from grpc import aio
 from router.access import Access, AccessPolicy
 from router.errors import InputError, RouterError, brief, grpc_status
 from router.grpc.protos import grpc_service_pb2 as pb
+from router.grpc.streams import OpenStreams
 from router.inference_protocol.submission import ItemFailed
 from router.logs import incoming_or_new, request_id_var, trace_id_var
 from router.tracing.api import RequestSpan, Tracing, access_attributes
 
-__all__ = ["SERVICE", "SERVICE_NAME", "Call", "Refusal", "call_of", "check_access", "end_span", "parse", "peer_host",
-           "refusal_of", "run_call", "serving", "start_span", "trace_metadata"]
+__all__ = ["SERVICE", "SERVICE_NAME", "Call", "Refusal", "call_of", "check_access", "end_span", "hold_stream", "parse",
+           "peer_host", "refusal_of", "run_call", "serving", "start_span", "trace_metadata"]
 
 log = logging.getLogger("router.access")
 errors_log = logging.getLogger("router.grpc")
@@ -53,7 +55,8 @@ class Call:
     received_at: float  # time.monotonic(), the clock of the router's deadlines
     deadline_ms: float | None  # the client's deadline, as time left when the call arrived
     peer: str | None  # the client's address; None for a Unix socket
-    metadata: Mapping[str, str]
+    metadata: Mapping[str, str]  # one value a key (the last); `authorization` keeps every value
+    authorization: tuple[str, ...] = ()
     access: dict[str, Any] = field(default_factory=dict)  # what the handler adds to the access line
     trace: RequestSpan | None = None  # its server span, while tracing is on
 
@@ -83,10 +86,12 @@ def peer_host(peer: str | None) -> str | None:
 
 
 def call_of(context: aio.ServicerContext[Any, Any], method: str) -> Call:
-    metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
+    pairs = [(k, v) for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)]
+    metadata = dict(pairs)
     remaining = context.time_remaining()
     return Call(method, incoming_or_new(metadata.get("x-request-id")), time.monotonic(),
-                None if remaining is None else max(0.0, remaining * 1000.0), peer_host(context.peer()), metadata)
+                None if remaining is None else max(0.0, remaining * 1000.0), peer_host(context.peer()), metadata,
+                tuple(v for k, v in pairs if k == "authorization"))
 
 
 def start_span(tracing: Tracing | None, call: Call) -> RequestSpan | None:
@@ -157,10 +162,29 @@ async def check_access(policy: AccessPolicy, access: Access, call: Call, context
     """End the call (UNAUTHENTICATED, PERMISSION_DENIED) unless its key grants `access`: for the
     streaming calls, which answer no error of their own before their first message."""
     try:
-        policy.check(access, call.metadata.get("authorization"))
+        policy.check(access, call.authorization)
     except RouterError as exc:
         code, trailing = grpc_status(exc)
         await context.abort(grpc.StatusCode[code], exc.detail, tuple(trailing.items()))
+
+
+async def hold_stream(streams: OpenStreams, policy: AccessPolicy, call: Call,
+                      context: aio.ServicerContext[Any, Any]) -> str | None:
+    """Count a long stream without an inference key against `streams`' bounds, or end it with
+    RESOURCE_EXHAUSTED over them; the connection it was counted on (for `streams.closed`), None for
+    a keyed one, which is not counted."""
+    if policy.holds_key(call.authorization):
+        return None
+    connection = context.peer()
+    refusal = streams.open(connection)
+    if refusal is None:
+        return connection
+    if (refused := streams.refused.due(time.monotonic())) is not None:
+        errors_log.warning("%d gRPC stream(s) without a key refused: %d open, at most %d (%d a connection)",
+                           refused, streams.count, streams.total, streams.per_connection,
+                           extra={"open_keyless_streams": streams.count, "refused_streams": refused})
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+    return None  # abort raises: not reached
 
 
 def parse(message_type: Any, raw: bytes) -> Any:
@@ -181,7 +205,7 @@ async def run_call(handler: Handler, message_type: Any, raw: bytes, context: aio
     status, code, error = 200, "OK", None
     with serving(call):
         try:
-            policy.check(access, call.metadata.get("authorization"))
+            policy.check(access, call.authorization)
             response = await handler(parse(message_type, raw), call)
             if traced := trace_metadata(call):
                 await context.send_initial_metadata(traced)

@@ -6,6 +6,11 @@ model's name reports whether that model serves, a pipeline's whether every model
 pipeline is a model to V2 clients); anything else is unknown (NOT_FOUND for Check,
 SERVICE_UNKNOWN for Watch, as the health protocol asks). While a split host's engine is away or
 hung, every service is NOT_SERVING.
+
+A Watch stays open as long as its client likes and needs no key unless health is protected, so
+Watch streams without an inference key are bounded per connection and in total, with the other
+long streams (`router.grpc.streams`): over either bound a Watch is RESOURCE_EXHAUSTED, and the rest
+of the server's concurrent calls stay for probes and keyed calls. A Watch with a key is not counted.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.access import Access, AccessPolicy
 from router.errors import EngineUnavailable, ModelNotFound
-from router.grpc.calls import call_of, check_access
+from router.grpc.calls import call_of, check_access, hold_stream
+from router.grpc.streams import OpenStreams
 from router.inference_protocol.targets import Pipelines, find_target
 from router.serving.facade import ServingFacade
 
@@ -46,11 +52,13 @@ def health_status(runtime: ServingFacade, pipelines: Pipelines, service: str, se
 class ReadinessHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
     """Check and Watch on the serving façade's readiness, behind the access policy's health level."""
 
-    def __init__(self, runtime: ServingFacade, pipelines: Pipelines, policy: AccessPolicy, service_name: str) -> None:
+    def __init__(self, runtime: ServingFacade, pipelines: Pipelines, policy: AccessPolicy, service_name: str,
+                 keyless: OpenStreams) -> None:
         self.runtime = runtime
         self.pipelines = pipelines
         self.policy = policy
         self.server_services = frozenset({"", service_name})
+        self.keyless = keyless  # open long streams without an inference key
 
     async def Check(self, request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
         await check_access(self.policy, Access.HEALTH, call_of(context, "Check"), context)
@@ -61,11 +69,17 @@ class ReadinessHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
 
     async def Watch(self, request: Any, context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         """The status now, then each change, until the client leaves."""
-        await check_access(self.policy, Access.HEALTH, call_of(context, "Watch"), context)
-        last = None
-        while True:
-            status = health_status(self.runtime, self.pipelines, request.service, self.server_services)
-            if status != last:
-                yield health_pb2.HealthCheckResponse(status=status)
-                last = status
-            await asyncio.sleep(WATCH_INTERVAL_S)
+        call = call_of(context, "Watch")
+        await check_access(self.policy, Access.HEALTH, call, context)
+        counted = await hold_stream(self.keyless, self.policy, call, context)
+        try:
+            last = None
+            while True:
+                status = health_status(self.runtime, self.pipelines, request.service, self.server_services)
+                if status != last:
+                    yield health_pb2.HealthCheckResponse(status=status)
+                    last = status
+                await asyncio.sleep(WATCH_INTERVAL_S)
+        finally:
+            if counted is not None:
+                self.keyless.closed(counted)

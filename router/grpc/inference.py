@@ -46,7 +46,7 @@ log = logging.getLogger("router.grpc")
 
 def shared_memory_caller(registry: SharedMemoryRegistry, policy: AccessPolicy, call: Call) -> Caller:
     """The call's client as shared memory knows it: its peer address and the key it presented."""
-    holder = policy.holder(call.metadata.get("authorization"))
+    holder = policy.holder(call.authorization)
     return registry.caller(call.peer, holder.id, holder.admin)
 
 

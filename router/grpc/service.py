@@ -17,9 +17,10 @@ from grpc import aio
 
 from router.access import Access, AccessPolicy
 from router.errors import InputError, Unimplemented, brief
-from router.grpc.calls import SERVICE, SERVICE_NAME, Call, call_of, check_access, run_call
+from router.grpc.calls import SERVICE, SERVICE_NAME, Call, call_of, check_access, hold_stream, run_call
 from router.grpc.inference import Inference, shared_memory_caller
 from router.grpc.protos import grpc_service_pb2 as pb
+from router.grpc.streams import OpenStreams
 from router.inference_protocol import repository
 from router.inference_protocol.shared_memory import Caller, SharedMemoryRegistry, refuse_cuda
 from router.inference_protocol.targets import Pipelines, find_target, is_ready, repository_index
@@ -42,13 +43,15 @@ class InferenceService:
     """The handlers of the Open Inference Protocol's gRPC service."""
 
     def __init__(self, runtime: ServingFacade, pipelines: Pipelines, inference: Inference,
-                 shared_memory: SharedMemoryRegistry, policy: AccessPolicy, tracing: Tracing | None = None) -> None:
+                 shared_memory: SharedMemoryRegistry, policy: AccessPolicy, tracing: Tracing | None = None, *,
+                 keyless: OpenStreams) -> None:
         self.runtime = runtime
         self.pipelines = pipelines  # served as models, as V2 over HTTP serves them (Triton's ensembles)
         self.inference = inference
         self.shared_memory = shared_memory
         self.policy = policy
         self.tracing = tracing
+        self.keyless = keyless  # open streams without an inference key (ModelStreamInfer on a server without keys)
 
     # -- health and metadata -------------------------------------------------------------------------
 
@@ -147,8 +150,13 @@ class InferenceService:
     async def ModelStreamInfer(self, frames: AsyncIterator[Any], context: aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         call = call_of(context, "ModelStreamInfer")
         await check_access(self.policy, Access.PREDICT, call, context)
-        async for response in self.inference.stream(frames, context, call):
-            yield response
+        counted = await hold_stream(self.keyless, self.policy, call, context)
+        try:
+            async for response in self.inference.stream(frames, context, call):
+                yield response
+        finally:
+            if counted is not None:
+                self.keyless.closed(counted)
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The grpc handlers of every method the .proto declares."""

@@ -94,6 +94,7 @@ class EngineClient:
         self._synced = asyncio.Event()  # a snapshot came from the engine connected now
         self._tasks: set[asyncio.Task[Any]] = set()
         self.request_counts: Callable[[], dict[str, dict[str, int]]] = dict
+        self.listening: Callable[[], bool] = lambda: True  # every front of the host listens
         self.inline_buffers = 0
 
     # -- connection -----------------------------------------------------------------------------
@@ -208,7 +209,7 @@ class EngineClient:
     @property
     def ready(self) -> bool:
         ready, draining, _, _ = self._snapshots()
-        return ready and not draining and not self._draining and self._away() is None
+        return ready and not draining and not self._draining and self._away() is None and self.listening()
 
     @property
     def draining(self) -> bool:

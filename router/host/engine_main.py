@@ -1,11 +1,12 @@
 """The engine process of a split host, started by the parent (`router.host.supervisor`):
 
-    python -m router.host.engine_main --socket PATH --epoch N --parent PID [--board-fd FD]
+    python -m router.host.engine_main --socket PATH --epoch N --parent PID --settings PATH [--board-fd FD]
 
-It reads the settings and the fleet file as `model-router serve` does, runs the `Runtime` (queues,
-schedulers, residency, instances) and serves the fronts on the socket. SIGTERM (from the parent,
-once the fronts have drained): answer what is left, unload, exit. SIGHUP: re-read the fleet file.
-`--board-fd`: the board the parent created (it reads the heartbeat there, `router.host.board`).
+It reads the settings the parent resolved (`router.host.handover`) and the fleet file, runs the
+`Runtime` (queues, schedulers, residency, instances) and serves the fronts on the socket. SIGTERM
+(from the parent, once the fronts have drained): answer what is left, unload, exit. SIGHUP:
+re-read the fleet file. `--board-fd`: the board the parent created (it reads the heartbeat there,
+`router.host.board`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from router.config import load_settings
 from router.errors import ConfigError
 from router.host.engine import EngineServer
+from router.host.handover import read_settings
 from router.host.titles import die_with_parent, set_title
 from router.http.metrics import RouterMetrics
 from router.logs import configure_logging
@@ -70,12 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epoch", type=int, default=1)
     parser.add_argument("--parent", type=int, required=True)
     parser.add_argument("--board-fd", type=int, default=None)
+    parser.add_argument("--settings", type=Path, required=True)
     args = parser.parse_args(argv)
     die_with_parent(args.parent)
     set_title("engine")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent orchestrates a stop
     try:
-        settings = load_settings()
+        settings = read_settings(args.settings)
         plan = load_plan(settings.config)
         tracing = tracing_from_environment()  # the batch spans, children of the fronts' request spans
     except ConfigError as exc:

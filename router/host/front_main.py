@@ -1,9 +1,10 @@
 """A front process of a split host, started by the parent (`router.host.supervisor`):
 
-    python -m router.host.front_main --index I --socket PATH --parent PID --workers N
+    python -m router.host.front_main --index I --socket PATH --parent PID --settings PATH
 
 The same Litestar app and connection layer as `model-router serve` with one process, over an
-`EngineClient` instead of a `Runtime`, on its own SO_REUSEPORT listening socket of the host's port.
+`EngineClient` instead of a `Runtime`, on its own SO_REUSEPORT listening socket of the host's port,
+with the settings the parent resolved (`router.host.handover`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import socket
 import sys
 from pathlib import Path
 
-from router.config import ServerSettings, load_settings
+from router.config import ServerSettings
 from router.errors import ConfigError
 from router.grpc.server import grpc_server
 from router.host.client import EngineClient
+from router.host.handover import ListeningFronts, read_settings
 from router.host.titles import die_with_parent, set_title
 from router.http.app import Listener, create_app
 from router.http.auth import policy_from_settings
@@ -51,32 +53,50 @@ def front_cpu_workers(settings: ServerSettings, workers: int) -> int:
     return max(1, math.ceil(cores / workers))
 
 
+class ListeningMark:
+    """The last of a front's listeners: its start marks the front listening (its HTTP socket
+    listens before the app starts, its gRPC server has started)."""
+
+    def __init__(self, fronts: ListeningFronts, front: int) -> None:
+        self.fronts, self.front = fronts, front
+
+    async def start(self) -> None:
+        self.fronts.mark(self.front)
+
+    async def stop(self) -> None:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--socket", type=Path, required=True)
     parser.add_argument("--parent", type=int, required=True)
-    parser.add_argument("--workers", type=int, required=True)
+    parser.add_argument("--settings", type=Path, required=True)
     args = parser.parse_args(argv)
     die_with_parent(args.parent)
     set_title(f"front {args.index}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent orchestrates a stop
     try:
-        settings = load_settings()
+        settings = read_settings(args.settings)
+        workers = settings.front_count(available_cores())  # the parent's count
         policy = policy_from_settings(settings)
         tracing = tracing_from_environment()  # each process exports its own spans; a request's trace joins them
     except ConfigError as exc:
         print(f"model-router front {args.index}: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format, role=f"front {args.index}")
-    client = EngineClient(args.socket, args.index, cpu_workers=front_cpu_workers(settings, args.workers),
+    client = EngineClient(args.socket, args.index, cpu_workers=front_cpu_workers(settings, workers),
                           stale_after_s=settings.engine_stale_s)
     # V2 system shared memory: one table of registrations for every front (the run directory's)
     shared_memory = SharedMemoryRegistry.from_settings(settings, table=args.socket.parent / "regions")
     pipelines = PipelineRunner(client)  # one runner for this front's HTTP app and its gRPC listener
     listeners: list[Listener] = []
     if settings.grpc_port:  # every front serves gRPC too, on the same port (grpc.so_reuseport)
-        listeners.append(grpc_server(client, settings, policy, shared_memory, pipelines, tracing))
+        listeners.append(grpc_server(client, settings, policy, shared_memory, pipelines, tracing, reuse_port=True))
+    fronts = ListeningFronts(args.socket.parent / "listening", workers)
+    listeners.append(ListeningMark(fronts, args.index))  # last: once the gRPC server listens
+    client.listening = fronts.all_listening  # ready (HTTP and gRPC) once every front listens
     app = create_app(client, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
                      access_policy=policy, body_timeout_s=settings.body_timeout_s, max_items=settings.max_items,
                      trim_memory=settings.trim_memory, shared_memory=shared_memory, listeners=listeners,
@@ -85,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     pipelines.counts = app.state.metrics.pipeline_counts  # and every front's pipeline counts
     sock = listening_socket(settings.host, settings.port)
     run_server(app, client, settings, sockets=[sock],
-               max_connections=max(1, math.ceil(settings.max_connections / args.workers)))
+               max_connections=max(1, math.ceil(settings.max_connections / workers)))
     return 0
 
 

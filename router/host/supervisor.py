@@ -1,13 +1,20 @@
 """The parent of a split host: it holds the port, starts one engine and N fronts, and watches them.
 
-- The port: a socket bound with SO_REUSEPORT that never listens (the kernel queues connections
-  only on listening sockets, the fronts'), so a taken port fails here, before anything starts, and
-  stays ours while a front restarts.
+- The settings: resolved once, by `model-router serve`, and handed to every child whole
+  (`router.host.handover`): a flag reaches the engine and every front alike.
+- The ports, HTTP and gRPC: sockets bound with SO_REUSEPORT that never listen (the kernel queues
+  connections only on listening sockets, the fronts'), so a port another process has fails here,
+  before anything starts, and stays ours while a front restarts.
 - A front that dies is started again (after 0.5 s, doubling to 10 s while it keeps dying); its
   clients' connections were reset, nothing else is lost.
 - The engine that dies is started again the same way, and loads the fleet file anew; meanwhile
   every front answers 503 with Retry-After. Five engine deaths within a minute are a crash loop:
   everything is stopped and the parent exits 1, for the orchestrator to see.
+- A child that exits with status 2 from its first start refused its configuration (the engine
+  checks the fleet file and its plugins' options, every child the settings): everything is stopped
+  and the parent exits 2, as `serve` with one process does before its port opens. Later, a restart
+  that is refused counts as a death like any other (the file may be mended before the next one).
+  The parent itself loads no plugin and imports neither torch nor the web framework: it supervises.
 - The watchdog: the parent creates each engine's board and reads its heartbeat there. An engine
   that has published nothing for `engine_hang_s` (stopped, or its event loop stuck) is killed, with
   one `engine_hung` log line saying why, and restarted as one that died: what an orchestrator's
@@ -38,12 +45,16 @@ from types import FrameType
 
 from router.config import ServerSettings
 from router.host.board import BoardReader, create_board, silent_s
+from router.host.handover import hold_port, write_settings
 from router.host.titles import set_title
 
-__all__ = ["ENGINE_DEATHS_LIMIT", "Child", "Supervisor", "restart_delay"]
+__all__ = ["CONFIG_REFUSED", "ENGINE_DEATHS_LIMIT", "Child", "Supervisor", "restart_delay"]
 
 log = logging.getLogger("router.host.supervisor")
 ENGINE_DEATHS_LIMIT = 5
+#: The exit status of a child that refused its configuration (a ConfigError at start); from a first
+#: start, the host's too.
+CONFIG_REFUSED = 2
 ENGINE_DEATHS_WINDOW_S = 60.0
 POLL_S = 0.05
 FIRST_RESTART_S = 0.5
@@ -66,6 +77,7 @@ class Child:
     role: str  # "engine" or "front N"
     command: list[str]
     process: subprocess.Popen[bytes] | None = None
+    starts: int = 0
     started_at: float = 0.0
     deaths: int = 0  # in a row
     restart_at: float | None = None
@@ -80,7 +92,8 @@ class Supervisor:
         self.socket_path = self.run_dir / "engine.sock"
         self.metrics_dir = self.run_dir / "metrics"
         self.metrics_dir.mkdir()
-        self._port_holder: socket.socket | None = None
+        self.settings_path = self.run_dir / "settings.json"
+        self._port_holders: list[socket.socket] = []
         self._stopping = False
         self._reload = False
         self._epoch = 0
@@ -89,32 +102,26 @@ class Supervisor:
 
     # -- start --------------------------------------------------------------------------------
 
-    def _hold_port(self) -> int:
-        host, port = self.settings.host, self.settings.port
-        holder = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        holder.bind((host, port))
-        self._port_holder = holder
-        return int(holder.getsockname()[1])
+    def _hold_ports(self) -> ServerSettings:
+        """Hold the HTTP and gRPC ports; the settings every child gets (with the port bound, for port 0)."""
+        host = self.settings.host
+        http = hold_port(host, self.settings.port, "MODEL_ROUTER_PORT (--port)")
+        self._port_holders.append(http)
+        if self.settings.grpc_port:
+            self._port_holders.append(hold_port(host, self.settings.grpc_port, "MODEL_ROUTER_GRPC_PORT (--grpc-port)"))
+        return self.settings.model_copy(update={"port": int(http.getsockname()[1]), "workers": self.workers,
+                                                "config": Path(self.settings.config).resolve()})
 
-    def _environment(self, port: int) -> dict[str, str]:
+    def _environment(self) -> dict[str, str]:
         env = {key: value for key, value in os.environ.items() if key != "PROMETHEUS_MULTIPROC_DIR"}
-        env.update({
-            "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir),
-            "MODEL_ROUTER_HOST": self.settings.host,
-            "MODEL_ROUTER_PORT": str(port),
-            "MODEL_ROUTER_CONFIG": str(Path(self.settings.config).resolve()),
-            "MODEL_ROUTER_WORKERS": str(self.workers),
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update({"PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir), "PYTHONUNBUFFERED": "1"})
         return env
 
     def _commands(self) -> list[Child]:
         python, parent, path = sys.executable, str(os.getpid()), str(self.socket_path)
-        engine = Child("engine", [python, "-m", "router.host.engine_main", "--socket", path, "--parent", parent])
-        fronts = [Child(f"front {i}", [python, "-m", "router.host.front_main", "--index", str(i), "--socket", path,
-                                       "--parent", parent, "--workers", str(self.workers)])
+        common = ["--socket", path, "--parent", parent, "--settings", str(self.settings_path)]
+        engine = Child("engine", [python, "-m", "router.host.engine_main", *common])
+        fronts = [Child(f"front {i}", [python, "-m", "router.host.front_main", "--index", str(i), *common])
                   for i in range(1, self.workers + 1)]
         return [engine, *fronts]
 
@@ -131,6 +138,7 @@ class Supervisor:
             if self._board is not None:
                 self._board.close()
             self._board = BoardReader(handed[0])  # maps it and closes the descriptor
+        child.starts += 1
         child.started_at = time.monotonic()
         child.restart_at = None
         log.info("started %s (pid %d)", child.role, child.process.pid)
@@ -140,15 +148,16 @@ class Supervisor:
     def run(self) -> int:
         """Serve until a signal; the exit status."""
         set_title("parent")
-        port = self._hold_port()
-        env = self._environment(port)
+        env = self._environment()
         self.children = self._commands()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
-        log.info("serving %s on http://%s:%d with %d front process(es) and one engine", self.settings.config,
-                 self.settings.host, port, self.workers)
         try:
+            settings = self._hold_ports()  # ConfigError: a port is taken
+            write_settings(settings, self.settings_path)
+            log.info("serving %s on http://%s:%d with %d front process(es) and one engine", settings.config,
+                     settings.host, settings.port, self.workers)
             for child in self.children:
                 self._start(child, env)
             status = self._watch(env)
@@ -177,8 +186,11 @@ class Supervisor:
                     engine.send_signal(signal.SIGHUP)
             now = time.monotonic()
             for child in self.children:
-                if self._check(child, now, env) == "crash loop":
+                outcome = self._check(child, now, env)
+                if outcome == "crash loop":
                     return 1
+                if outcome == "refused":
+                    return CONFIG_REFUSED
             time.sleep(POLL_S)
         return 0
 
@@ -199,6 +211,9 @@ class Supervisor:
         while child.death_times and now - child.death_times[0] > ENGINE_DEATHS_WINDOW_S:
             child.death_times.popleft()
         log.error("%s (pid %d) exited with status %s", child.role, process.pid, process.returncode)
+        if process.returncode == CONFIG_REFUSED and child.starts == 1:
+            log.critical("%s refused its configuration (its error is above): stopping the server", child.role)
+            return "refused"
         if child.role == "engine" and len(child.death_times) >= ENGINE_DEATHS_LIMIT:
             log.critical("the engine died %d times within %.0f s: stopping the server", len(child.death_times),
                          ENGINE_DEATHS_WINDOW_S)
@@ -234,8 +249,8 @@ class Supervisor:
         engine = self.children[0].process if self.children else None
         _terminate(fronts, self.settings.drain_timeout_s + 10.0)
         _terminate([engine] if engine is not None else [], 30.0)
-        if self._port_holder is not None:
-            self._port_holder.close()
+        for holder in self._port_holders:
+            holder.close()
 
 
 def _terminate(processes: list[subprocess.Popen[bytes]], timeout_s: float) -> None:

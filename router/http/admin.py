@@ -21,8 +21,8 @@ from litestar.params import FromPath
 from router.config import MAX_CONFIG_DEPTH, nesting_exceeds
 from router.errors import ConfigError, InputError
 from router.http.auth import Access
-from router.http.kserve.bounded_json import loads_bounded
 from router.http.request_state import runtime_of
+from router.sdk.bounded_json import loads_bounded
 
 __all__ = ["ADMIN", "ADMIN_ROUTES", "fleet_section"]
 
@@ -74,7 +74,7 @@ def fleet_section(body: bytes, media_type: str, what: str = "model", example: st
         raise InputError(f"a {what}'s section is at most {MAX_SECTION_BYTES} bytes")
     too_deep = InputError(f"a {what}'s section nests mappings and lists more than {MAX_CONFIG_DEPTH} levels deep")
     if "json" in media_type:
-        data = loads_bounded(body, "the body", expected="valid JSON", limit=MAX_CONFIG_DEPTH)
+        data = loads_bounded(body, "the body", expected="valid JSON", max_depth=MAX_CONFIG_DEPTH)
     else:
         try:
             data = yaml.safe_load(body)

@@ -25,7 +25,6 @@ from router.http.answers import error_body
 from router.http.auth import Access, AccessPolicy, access_guard
 from router.http.disconnect import run_unless_disconnected
 from router.http.headers import announced_length, incoming_or_new, number_header, priority_header
-from router.http.kserve.bounded_json import lone_surrogate
 from router.http.kserve.routes import v2_error_response, v2_router
 from router.http.memory import BodyMemory
 from router.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -37,6 +36,7 @@ from router.http.ui import ui_router
 from router.inference_protocol.shared_memory import SharedMemoryRegistry
 from router.logs import request_id_var, trace_id_var
 from router.pipelines import PipelineRunner
+from router.sdk.bounded_json import lone_surrogate
 from router.sdk.plugin import Payload
 from router.serving.facade import ServingFacade
 from router.tracing.api import RequestSpan, Tracing, access_attributes

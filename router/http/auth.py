@@ -20,4 +20,4 @@ async def access_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: 
     access = handler.opt.get("access")
     if access is None:
         access = Access.OPEN if connection.scope["path"].startswith("/schema") else Access.PREDICT
-    policy.check(Access(access), connection.headers.get("authorization"))
+    policy.check(Access(access), tuple(connection.headers.getall("authorization", ())))

@@ -1,7 +1,7 @@
 """Prometheus metrics. Event metrics (histograms, counters) are recorded as things happen; state
 (queue depth, ledger, device memory) is read at scrape time from the runtime's owners.
 
-On a host split into processes (`workers: N`) every process records its events with
+On a host split into processes (`--workers N`) every process records its events with
 prometheus_client's multiprocess mode (`PROMETHEUS_MULTIPROC_DIR`, set by the parent for all of
 them), and any front's `/metrics` sums them at scrape time (`MultiProcessCollector`): the fronts'
 request counters and the engine's batch histograms alike. The state gauges come once, from the

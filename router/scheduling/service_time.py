@@ -124,10 +124,17 @@ class BatchTime:
 
     def seed(self, timings: Sequence[tuple[int, float]], source: str = "warm-up") -> None:
         """Fit the shape through (batch size, seconds) timings: the line through the smallest and
-        largest sizes (the cost of an item can't be negative), or a constant for one size."""
-        usable = sorted((n, s) for n, s in timings if n >= 1 and s > 0 and math.isfinite(s))
-        if not usable:
+        largest sizes (the cost of an item can't be negative), or a constant for one size. Of
+        several timings of one size the fastest counts: it is the idle device's speed, which the
+        factor 1 stands for; a slower one met other work on the host (a busy core, a start-up),
+        and a prior slower than the device lets the gate refuse what it could answer in time."""
+        fastest: dict[int, float] = {}
+        for n, s in timings:
+            if n >= 1 and s > 0 and math.isfinite(s):
+                fastest[n] = min(s, fastest.get(n, s))
+        if not fastest:
             return
+        usable = sorted(fastest.items())
         (n1, s1), (n2, s2) = usable[0], usable[-1]
         per_item = (s2 - s1) / (n2 - n1) if n2 > n1 else 0.0
         per_item = max(0.0, per_item)

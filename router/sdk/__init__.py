@@ -6,8 +6,10 @@ See docs/plugins.md for the contract: which thread runs each hook, the memory es
 what KServe V2 hands to `preprocess`, and the errors to raise. Besides model plugins, the SDK
 holds the other kinds of entry point a plugin distribution may declare: exporters
 (`Exporter`, for `model-router export`), demo files (`DemoFile`, for `model-router store
-init-demo`) and pipeline transforms (`Transform`, docs/pipelines.md). Importing it never imports torch: `activation_bytes` and `tensor_bytes` (torch
-helpers for memory estimates) load it when first used, the demo helpers when called.
+init-demo`) and pipeline transforms (`Transform`, docs/pipelines.md). `loads_bounded` parses a
+client's JSON with its nesting and size bounded (400 or 413, never a RecursionError). Importing it
+never imports torch: `activation_bytes` and `tensor_bytes` (torch helpers for memory estimates)
+load it when first used, the demo helpers when called.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from router.devices import device_index, require_cuda_for_half
 from router.errors import DeviceOutOfMemory, InputError, PayloadTooLarge, UnsupportedMediaType
+from router.sdk.bounded_json import MAX_JSON_DEPTH, loads_bounded
 from router.sdk.demo import DEMO_FILES_GROUP, DemoFile, calibrate_batchnorm, synthetic_images
 from router.sdk.exporter import EXPORTERS_GROUP, Exporter, ExportError, ExportJob, Progress, SourceModel
 from router.sdk.files import partial_file
@@ -50,6 +53,7 @@ __all__ = [
     "DEMO_FILES_GROUP",
     "DETECTIONS",
     "EXPORTERS_GROUP",
+    "MAX_JSON_DEPTH",
     "PIXELS_MEDIA_TYPE",
     "PLUGINS_GROUP",
     "TRANSFORMS_GROUP",
@@ -80,6 +84,7 @@ __all__ = [
     "device_index",
     "example_jpeg",
     "image_size",
+    "loads_bounded",
     "open_image",
     "partial_file",
     "reduction_for",

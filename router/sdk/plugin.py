@@ -97,6 +97,9 @@ class PluginContext:
     store_dir: Path
     allow_absolute_paths: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Every path resolved through this context, as given and as resolved (`model-router check`
+    #: reports those that do not exist).
+    resolved: list[tuple[str, Path]] = field(default_factory=list, compare=False, repr=False)
 
     def resolve_path(self, path: str | Path) -> Path:
         """Resolve a model file path against the model store, refusing paths that escape it."""
@@ -107,11 +110,13 @@ class PluginContext:
                     f"absolute path {str(path)!r} is not allowed; use a path relative to the model "
                     f"store {str(self.store_dir)!r} or set allow_absolute_paths"
                 )
+            self.resolved.append((str(path), candidate))
             return candidate
         store = self.store_dir.resolve()
         resolved = (store / candidate).resolve()
         if resolved != store and store not in resolved.parents:
             raise ValueError(f"path {str(path)!r} resolves outside the model store {str(store)!r}")
+        self.resolved.append((str(path), resolved))
         return resolved
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from router.errors import DeadlineExceeded, ModelError, RouterError
+from router.errors import DeadlineExceeded, ModelError, RouterError, undecodable
 from router.sdk.plugin import ModelPlugin, Payload
 from router.serving.isolation import RemotePlugin
 
@@ -80,7 +80,8 @@ class HookRunner:
 
     async def run(self, model: str, plugin_name: str, plugin: ModelPlugin[Any], hook: str, *args: Any,
                   deadline: float | None = None) -> Any:
-        """Run a hook. Its RouterErrors (InputError...) answer the request; anything else is the
+        """Run a hook. Its RouterErrors (InputError...) answer the request, and so does a failure
+        of preprocess to decode its input (400: `router.errors.undecodable`); anything else is the
         plugin's bug: 500, logged once naming plugin, hook and exception. With `deadline` (on the
         runner's clock), a call not done by then answers 504 (a pool's queue, a slow child)."""
         try:
@@ -108,6 +109,8 @@ class HookRunner:
         except RouterError:
             raise
         except Exception as exc:
+            if hook == "preprocess" and (refused := undecodable(exc)) is not None:
+                raise refused from None
             log.error("model %s: plugin %s raised in %s: %s: %s", model, plugin_name, hook, type(exc).__name__, exc,
                       exc_info=exc, extra={"model": model, "plugin": plugin_name, "hook": hook})
             raise ModelError(f"model {model!r}: plugin {plugin_name!r} failed in {hook}: {type(exc).__name__}: {exc}"

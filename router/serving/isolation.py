@@ -44,7 +44,15 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
-from router.errors import ExecutionTimeout, InputError, InstanceLost, ModelError, ModelUnavailable, RouterError
+from router.errors import (
+    ExecutionTimeout,
+    InputError,
+    InstanceLost,
+    ModelError,
+    ModelUnavailable,
+    RouterError,
+    undecodable,
+)
 from router.sdk.plugin import MemoryEstimate, ModelPlugin, Payload, PluginContext
 
 __all__ = ["RemotePlugin", "exit_reason"]
@@ -330,8 +338,10 @@ def _child_main(conn: Connection) -> None:
         except RouterError as exc:  # InputError and the like travel as they are
             reply = ("error", call_id, exc)
         except Exception as exc:  # noqa: BLE001  # a plugin bug: its type, message and where, as a ModelError
+            refused = undecodable(exc) if hook == "preprocess" else None  # a client's input it cannot decode
             where = traceback.format_exc(limit=3)[-800:]
-            reply = ("error", call_id, RuntimeError(f"{type(exc).__name__}: {exc} (in the instance process: {where})"))
+            failure = RuntimeError(f"{type(exc).__name__}: {exc} (in the instance process: {where})")
+            reply = ("error", call_id, refused or failure)
         try:
             with lock:
                 _send(conn, reply)

@@ -17,6 +17,9 @@ from router.serving.profiling import apply_declared, max_batch_within, profile_c
 __all__ = ["load_deployment", "load_instance", "warmup_sizes"]
 
 log = logging.getLogger("router.serving.loading")
+#: Timings of each batch size at warm-up; the fastest counts (one timing on a busy host can be
+#: several times the device's speed, and the deadline gate would refuse by it).
+TIMING_RUNS = 3
 
 
 async def load_deployment(
@@ -112,8 +115,9 @@ async def _load_instance(deployment: Deployment, instance: ModelInstance, schedu
 
 
 async def _time_batches(deployment: Deployment, instance: ModelInstance, sizes: list[int]) -> None:
-    """Time `predict_batch` on the warmed instance at each size: the deadline gate's first prediction
-    comes from these idle-device timings, not from the first batch under load."""
+    """Time `predict_batch` on the warmed instance at each size, `TIMING_RUNS` times: the deadline
+    gate's first prediction, and the speed its load factor relaxes to, come from the fastest of
+    these idle-device timings (`BatchTime.seed`), not from the first batch under load."""
     plugin, clock = instance.plugin, instance.clock
 
     def measure() -> list[tuple[int, float]]:
@@ -122,7 +126,7 @@ async def _time_batches(deployment: Deployment, instance: ModelInstance, sizes: 
             return []
         item = plugin.preprocess(payload)
         timings = []
-        for size in sizes:
+        for size in [size for size in sizes for _ in range(TIMING_RUNS)]:
             begun = clock()
             try:
                 plugin.predict_batch([item] * size)
@@ -137,8 +141,9 @@ async def _time_batches(deployment: Deployment, instance: ModelInstance, sizes: 
     timings = await instance.call(measure)
     instance.times.seed(timings)
     if timings:
-        log.info("model %s instance %d: batch timings %s", deployment.name, instance.index,
-                 ", ".join(f"{n}: {s * 1000:.1f} ms" for n, s in timings), extra={"model": deployment.name})
+        log.info("model %s instance %d: batch timings %s (the fastest of each size counts)", deployment.name,
+                 instance.index, ", ".join(f"{n}: {s * 1000:.1f} ms" for n, s in timings),
+                 extra={"model": deployment.name})
 
 
 def _batch_cap(deployment: Deployment, estimate: MemoryEstimate) -> int:

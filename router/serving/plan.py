@@ -33,6 +33,13 @@ class ModelPlan:
     name: str
     plugin: PluginInfo
     options: BaseModel
+    files: tuple[tuple[str, Path], ...] = ()  # the paths its plugin resolved: as given, and in the store
+
+    def missing_files(self, source: str) -> list[str]:
+        """One line per file its plugin named that does not exist: the option's key, its value and the path."""
+        keys = {str(value): key for key, value in self.options.model_dump().items() if isinstance(value, str | Path)}
+        return [f"{source}: models.{self.name}.options.{keys.get(given, '?')}: {given!r}: no such file ({path})"
+                for given, path in self.files if not path.exists()]
 
 
 @dataclass(frozen=True)
@@ -138,12 +145,13 @@ def resolve_fleet(fleet: FleetConfig, registry: PluginRegistry, source: str = "f
             continue
         if unknown:
             continue
+        context = PluginContext(name, fleet.model_store, fleet.allow_absolute_paths)
         try:
-            info.cls(options, PluginContext(name, fleet.model_store, fleet.allow_absolute_paths))
+            info.cls(options, context)
         except Exception as exc:  # noqa: BLE001  # a path outside the store (ValueError), or the plugin's own refusal
             problems.append(f"{source}: models.{name}.options: {clip(str(exc) or type(exc).__name__)}")
             continue
-        models[name] = ModelPlan(name, info, options)
+        models[name] = ModelPlan(name, info, options, tuple(context.resolved))
     if problems:
         raise config_error(source, problems)
     return FleetPlan(source, fleet, models)

@@ -36,5 +36,6 @@ def tracing_from_environment() -> Tracing | None:
         from router.tracing.otel import OtelTracing
     except ImportError as exc:
         raise ConfigError(f"environment: {next(n for n in ENDPOINT_VARIABLES if env.get(n))} is set, but tracing "
-                          f"needs the OpenTelemetry SDK: pip install 'model-router[tracing]' ({exc})") from None
+                          f"needs the OpenTelemetry SDK, the tracing extra: pip install -e '.[tracing]' in a checkout, "
+                          f"or pip install --find-links dist 'vision-model-router[tracing]' from built wheels ({exc})") from None
     return OtelTracing.from_environment()

@@ -6,20 +6,26 @@ OTLP/HTTP exporter (endpoint, headers, timeout, compression, certificates), the 
 processor (OTEL_BSP_*), the sampler (OTEL_TRACES_SAMPLER, _ARG), the resource (OTEL_SERVICE_NAME,
 OTEL_RESOURCE_ATTRIBUTES) and the propagators (OTEL_PROPAGATORS). The router adds one rule to the
 sampler: a batch that served a sampled request is sampled too.
+
+A caller's trace context is bounded before a propagator reads it (`trace_context`): a field longer
+than W3C allows is dropped whole, as if it was not sent, and what the propagators log about a
+caller's malformed context while they read it is dropped too (W3C: a vendor ignores what it cannot
+parse). A client could otherwise have every request write its 60 KB `baggage` into the log.
 """
 
 from __future__ import annotations
 
+import contextvars
+import logging
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Final
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.propagators.textmap import Getter
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -31,7 +37,7 @@ from router import __version__
 from router.errors import grpc_code
 from router.tracing.api import ENDPOINT_VARIABLES, AttributeValue, Headers, Metadata, SpanRef
 
-__all__ = ["BatchSampler", "OtelTracing"]
+__all__ = ["BatchSampler", "OtelTracing", "trace_context"]
 
 #: Litestar's path template with its converters (`/models/{name:str}/predict`) as OpenTelemetry's route.
 _CONVERTER = re.compile(r"\{(\w+):\w+\}")
@@ -44,19 +50,56 @@ SERVER_ERROR_CODES: Final = frozenset({"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEM
                                        "DATA_LOSS"})
 
 
-class _HeaderList(Getter[Headers]):
-    """Reads propagation fields from ASGI's header list."""
+#: The most a caller's trace context field may hold, in characters (latin-1: one a byte), and in
+#: list-members: W3C Trace Context (one traceparent of at most 512 characters, as OpenTelemetry's;
+#: tracestate: 512 characters propagated, 32 members) and W3C Baggage (8,192 bytes, 64 members).
+#: A longer field is dropped whole; so is any other propagator's (OTEL_PROPAGATORS: b3, jaeger)
+#: over `OTHER_FIELD_CHARS`.
+FIELD_BOUNDS: Final = {"traceparent": (512, 1), "tracestate": (512, 32), "baggage": (8192, 64)}
+OTHER_FIELD_CHARS: Final = 512
+#: The loggers the standard propagators warn on while they read a caller's context.
+PROPAGATION_LOGGERS: Final = ("opentelemetry.baggage", "opentelemetry.baggage.propagation", "opentelemetry.trace.span",
+                              "opentelemetry.trace.propagation.tracecontext", "opentelemetry.propagators.composite",
+                              "opentelemetry.propagate")
+_reading_caller: contextvars.ContextVar[bool] = contextvars.ContextVar("reading_caller_context", default=False)
 
-    def get(self, carrier: Headers, key: str) -> list[str] | None:
-        name = key.encode("latin-1")
-        values = [value.decode("latin-1") for field, value in carrier if field == name]
-        return values or None
 
-    def keys(self, carrier: Headers) -> list[str]:
-        return [field.decode("latin-1") for field, _ in carrier]
+def trace_context(fields: Iterable[tuple[str, str]], wanted: frozenset[str]) -> dict[str, list[str]]:
+    """The `wanted` fields (what the propagators read) of a caller's headers or metadata, each
+    within `FIELD_BOUNDS` (several values of one field counted as one list, joined by `, `), or
+    left out."""
+    found: dict[str, list[str]] = {}
+    for name, value in fields:
+        if name in wanted:
+            found.setdefault(name, []).append(value)
+    bounded = {}
+    for name, values in found.items():
+        chars, members = FIELD_BOUNDS.get(name, (OTHER_FIELD_CHARS, None))
+        if sum(map(len, values)) + 2 * (len(values) - 1) > chars:
+            continue
+        if members is not None and sum(value.count(",") + 1 for value in values) > members:
+            continue
+        bounded[name] = values
+    return bounded
 
 
-_HEADERS = _HeaderList()
+class _CallerContextWarnings(logging.Filter):
+    """Drops what a propagator logs while it reads a caller's context (the caller's text, quoted)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _reading_caller.get()
+
+
+_QUIET = _CallerContextWarnings()
+
+
+def _extract(carrier: dict[str, list[str]]) -> Context:
+    """The caller's context from its bounded fields; nothing ambient, nothing logged about it."""
+    reading = _reading_caller.set(True)
+    try:
+        return propagate.extract(carrier, context=Context())
+    finally:
+        _reading_caller.reset(reading)
 
 
 class BatchSampler(Sampler):
@@ -108,6 +151,11 @@ class OtelTracing:
         self.provider = provider
         self.tracer = provider.get_tracer("model-router", __version__)
         self._offset_ns = time.time_ns() - time.monotonic_ns()
+        self._fields = frozenset(propagate.get_global_textmap().fields)  # what OTEL_PROPAGATORS read
+        self._header_names = frozenset(name.encode("latin-1") for name in self._fields)
+        for name in PROPAGATION_LOGGERS:
+            if _QUIET not in logging.getLogger(name).filters:
+                logging.getLogger(name).addFilter(_QUIET)
 
     @classmethod
     def from_environment(cls) -> OtelTracing:
@@ -122,13 +170,15 @@ class OtelTracing:
         return int(at * 1e9) + self._offset_ns
 
     def start_request(self, method: str, path: str, headers: Headers, at: float) -> OtelRequestSpan:
-        parent = propagate.extract(headers, context=Context(), getter=_HEADERS)  # the caller's, nothing ambient
+        fields = ((name.decode("latin-1"), value.decode("latin-1")) for name, value in headers
+                  if name in self._header_names)
+        parent = _extract(trace_context(fields, self._fields))
         span = self.tracer.start_span(method, context=parent, kind=SpanKind.SERVER, start_time=self.ns(at),
                                       attributes={"http.request.method": method, "url.path": path})
         return OtelRequestSpan(self, span, method, trace.get_current_span(parent).get_span_context().is_valid)
 
     def start_call(self, method: str, metadata: Metadata, at: float) -> OtelCallSpan:
-        parent = propagate.extract(dict(metadata), context=Context())  # the caller's, nothing ambient
+        parent = _extract(trace_context(metadata, self._fields))
         service, _, name = method.rpartition("/")
         span = self.tracer.start_span(method, context=parent, kind=SpanKind.SERVER, start_time=self.ns(at),
                                       attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})

@@ -100,8 +100,8 @@ def test_bad_images_are_refused_and_the_models_keep_serving(server: RouterProces
 
 def test_installed_plugins_appear_in_the_model_list(server: RouterProcess) -> None:
     models = {m["name"]: m for m in httpx.get(server.url + "/models").json()["models"]}
-    assert models["yolov8n"]["plugin"]["distribution"] == "model-router-yolo"
-    assert models["resnet18"]["plugin"]["distribution"] == "model-router-resnet"
+    assert models["yolov8n"]["plugin"]["distribution"] == "vision-model-router-yolo"
+    assert models["resnet18"]["plugin"]["distribution"] == "vision-model-router-resnet"
     assert models["yolov8n"]["state"] == models["resnet18"]["state"] == "ready"
 
 
@@ -110,7 +110,7 @@ def test_uninstalled_plugin_is_a_clear_start_up_error(tmp_path: Path, store: Pat
     config = tmp_path / "fleet.yaml"
     config.write_text(default_fleet(store), encoding="utf-8")
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "uninstall", "-y", "model-router-resnet"], check=True, capture_output=True)
+    subprocess.run([*pip, "uninstall", "-y", "vision-model-router-resnet"], check=True, capture_output=True)
     try:
         result = subprocess.run(
             [sys.executable, "-m", "router", "serve", "--config", str(config), "--port", str(free_port())],

@@ -140,10 +140,10 @@ def test_onnx_classifier_answers_like_the_eager_one(server: RouterProcess, batch
 def test_tensorrt_model_that_cannot_start_is_a_clear_error_and_others_serve(server: RouterProcess) -> None:
     models = {m["name"]: m for m in httpx.get(server.url + "/models").json()["models"]}
     trt = models["detector-trt"]
-    assert trt["state"] == "failed" and trt["plugin"]["distribution"] == "model-router-tensorrt"
+    assert trt["state"] == "failed" and trt["plugin"]["distribution"] == "vision-model-router-tensorrt"
     assert "model 'detector-trt': the tensorrt plugin cannot start" in trt["error"]
     assert "device 'cpu' is not a CUDA device" in trt["error"]
-    assert models["yolo-onnx"]["plugin"]["distribution"] == "model-router-onnx"
+    assert models["yolo-onnx"]["plugin"]["distribution"] == "vision-model-router-onnx"
     assert all(models[name]["state"] == "ready" for name in ("yolo-onnx", "resnet-onnx", "yolo-eager", "resnet-eager"))
     assert httpx.get(server.url + "/health/ready").status_code == 200
     refused = httpx.post(server.url + "/models/detector-trt/predict", content=images()[0].body,

@@ -49,9 +49,10 @@ def test_the_guide_shows_the_example_exactly(path: str, language: str) -> None:
     assert shown_in_guide(f"examples/plugin-mean-colour/{path}", language) == (EXAMPLE / path).read_text(encoding="utf-8")
 
 
-def test_the_example_imports_nothing_of_the_router_but_its_sdk() -> None:
+@pytest.mark.parametrize("package", ["plugin-mean-colour/mean_colour", "plugin-tiny-cnn/tiny_cnn"])
+def test_the_example_imports_nothing_of_the_router_but_its_sdk(package: str) -> None:
     imported = set()
-    for source in (EXAMPLE / "mean_colour").glob("*.py"):
+    for source in (REPO / "examples" / package).glob("*.py"):
         for node in ast.walk(ast.parse(source.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and node.module:
                 imported.add(node.module)
@@ -86,7 +87,7 @@ def test_it_answers_the_mean_colour(server: RouterProcess) -> None:
     assert photo.status_code == 200 and photo.json()["result"]["image"] == {"width": 640, "height": 480}
     described = httpx.get(f"{server.url}/models/colour").json()
     assert described["state"] == "ready"
-    assert described["plugin"]["distribution"] == "model-router-example-mean-colour"
+    assert described["plugin"]["distribution"] == "vision-model-router-example-mean-colour"
 
 
 def test_concurrent_requests_share_batches_and_each_gets_its_own_answer(server: RouterProcess) -> None:

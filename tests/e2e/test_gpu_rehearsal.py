@@ -1,5 +1,5 @@
 """The GPU check rehearsed here (gpu_check.rehearsal): the wheelhouse built and sized, installed
-with --no-index into a bare environment holding only the lent machine's packages, and
+with --no-index into a bare environment holding only the target image's packages, and
 scripts/gpu-check.sh run there to its results table, every GPU row skipped for want of CUDA; and
 the surge and throughput parts run on the CPU, the code they run on a GPU exercised end to end."""
 

@@ -69,7 +69,7 @@ def test_multipart_file_field(server: RouterProcess) -> None:
         ("/models/toy/predict", {"content": b"hello", "headers": {"content-type": "text/plain"}}, 415,
          "accepted: application/json"),
         ("/models/toy/predict", {"content": b"", "headers": JSON}, 400, "empty"),
-        ("/models/toy/predict", {"content": b"{not json", "headers": JSON}, 400, "expected JSON"),
+        ("/models/toy/predict", {"content": b"{not json", "headers": JSON}, 400, "JSON like"),
         ("/models/toy/predict", {"json": VECTOR, "headers": {"X-Timeout-Ms": "soon"}}, 400, "X-Timeout-Ms must be a number"),
         ("/models/toy/predict", {"json": VECTOR, "headers": {"X-Timeout-Ms": "-5"}}, 400, "positive"),
         ("/models/toy/predict", {"json": VECTOR, "headers": {"X-Priority": "9"}}, 400, "from 1 to 3"),
@@ -106,7 +106,7 @@ def test_models_listing_and_detail(server: RouterProcess) -> None:
     models = httpx.get(server.url + "/models").json()["models"]
     assert {m["name"] for m in models} == {"toy", "echo", "tiny"}
     toy = httpx.get(server.url + "/models/toy").json()
-    assert toy["state"] == "ready" and toy["plugin"]["distribution"] == "model-router-testkit"
+    assert toy["state"] == "ready" and toy["plugin"]["distribution"] == "vision-model-router-testkit"
     assert toy["queue"]["capacity"] == 64 and toy["batch"]["max_size"] == 4
     assert toy["memory"]["weights_bytes"] > 0 and toy["memory"]["source"] == "estimate"
     assert httpx.get(server.url + "/models/nope").status_code == 404

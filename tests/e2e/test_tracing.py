@@ -282,7 +282,7 @@ def test_without_opentelemetry_installed_the_router_serves_untraced_and_refuses_
                           env={**os.environ, **env, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"},
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2, done.stderr
-    assert "OTEL_EXPORTER_OTLP_ENDPOINT is set" in done.stderr and "pip install 'model-router[tracing]'" in done.stderr
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT is set" in done.stderr and "pip install -e '.[tracing]'" in done.stderr
 
 
 def test_a_v2_request_of_many_items_has_a_path_per_item_under_its_span(server: RouterProcess, otlp: Receiver) -> None:

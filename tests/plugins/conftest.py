@@ -78,6 +78,16 @@ def demo_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return store
 
 
+@pytest.fixture(scope="session")
+def tiny_cnn_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model store with the tiny-cnn example's checkpoint (examples/plugin-tiny-cnn), written by its own code."""
+    from tiny_cnn import save_weights
+
+    store = tmp_path_factory.mktemp("tiny_cnn_store")
+    save_weights(store / "tiny-cnn.pt")
+    return store
+
+
 #: The detector the ONNX tests export: a small input and a low threshold, so there are many boxes to compare.
 YOLO_EXPORT_OPTIONS: dict[str, Any] = {"model": "yolov8n.pt", "imgsz": 320, "conf": 0.1, "iou": 0.7, "max_det": 3000}
 

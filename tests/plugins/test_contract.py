@@ -1,9 +1,10 @@
-"""One contract, every installed plugin: each entry point of `model_router.plugins` (the bundled
-vision and engine plugins, the test kit's, the docs' example, and anything else installed) is
-checked the same way, as docs/plugins.md describes it:
+"""One contract, every plugin this repository ships: each entry point of `model_router.plugins`
+whose code lives in this repository (the bundled vision and engine plugins, the test kit's, the
+docs' examples) is checked by `router.plugin_kit.check_plugin`, the checks a plugin's own package
+runs with `model-router plugins check NAME` (docs/plugins.md, "Check your plugin"):
 
-- the class passes the registry's validation; its `Options` validate the case's options through
-  the fleet resolver, and an unknown option key is refused;
+- the class loads through its entry point and passes the registry's validation; its `Options`
+  validate the case's options through the fleet resolver, and an unknown option key is refused;
 - `accepts` covers the inputs and the example payload;
 - `load` on the CPU works (or, for a plugin that cannot run here, fails naming the model);
 - `memory_estimate` is a MemoryEstimate of non-negative integers;
@@ -15,29 +16,26 @@ checked the same way, as docs/plugins.md describes it:
   preprocesses and postprocesses as the loaded one does, its items crossing to the loaded one
   as they cross to the engine; unless the plugin says `preprocess_needs_model`.
 
-A plugin with no case below fails: add one when you add a plugin.
+A plugin of this repository with no case below fails: add one when you add a plugin. A plugin
+installed from elsewhere is its author's to check, and does not change this suite.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from fnmatch import fnmatch
 from importlib.metadata import entry_points
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from router.config import FleetConfig
-from router.errors import ConfigError
-from router.host.packing import Packer, unpack
-from router.sdk import MemoryEstimate, ModelPlugin, Payload, PluginContext
-from router.serving.plan import resolve_fleet
-from router.serving.registry import PluginRegistry, validate_plugin_class
+from router.plugin_kit import check_plugin
+from router.sdk import Payload
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def json_payloads(*documents: dict[str, Any]) -> list[Payload]:
@@ -65,117 +63,38 @@ CASES = {
     "toy": Case({"seed": 3}, lambda _: json_payloads(*({"x": [float(i * k) for k in range(16)]} for i in (1, -2, 3)))),
     "scripted": Case({}, lambda _: json_payloads({"id": "a"}, {"id": "b"}, {"id": "c"})),
     "mean-colour": Case({"decimals": 2}, photos),
+    "tiny-cnn": Case({"weights": "tiny-cnn.pt", "top_k": 3}, photos, store="tiny-cnn"),
     "unsplit": Case({}, lambda _: json_payloads({"id": "a"}, {"id": "b"}, {"id": "c"}), prepares_in_a_front=False),
     "engine-hooks": Case({}, lambda _: json_payloads({"id": "a"}, {"id": "b"}, {"id": "c"})),
     "boxes": Case({"boxes": [[0, 0, 10, 10, 0.9]]}, photos),
     "pixels": Case({}, photos),
 }
 
-INSTALLED = sorted(point.name for point in entry_points(group="model_router.plugins"))
+
+def shipped_here(module: str) -> bool:
+    """Whether an entry point's code is in this repository (its top-level package found under it)."""
+    spec = find_spec(module.split(".")[0])
+    origins = [spec.origin, *(spec.submodule_search_locations or [])] if spec is not None else []
+    return any(origin and Path(origin).resolve().is_relative_to(REPO) for origin in origins)
+
+
+SHIPPED = sorted({point.name for point in entry_points(group="model_router.plugins") if shipped_here(point.module)})
 
 
 def test_every_bundled_plugin_is_installed_and_covered() -> None:
-    assert {"yolo", "resnet", "onnx", "tensorrt", "toy", "scripted", "mean-colour", "boxes", "pixels", "unsplit",
-            "engine-hooks"} <= set(INSTALLED)
+    assert {"yolo", "resnet", "onnx", "tensorrt", "toy", "scripted", "mean-colour", "tiny-cnn", "boxes", "pixels",
+            "unsplit", "engine-hooks"} <= set(SHIPPED)
 
 
-@pytest.mark.parametrize("name", INSTALLED)
+@pytest.mark.parametrize("name", SHIPPED)
 def test_plugin_keeps_the_contract(name: str, request: pytest.FixtureRequest, payloads: list[Payload]) -> None:
     if name not in CASES:
         pytest.fail(f"plugin {name!r} has no contract case: add one to CASES in {__file__}")
     case = CASES[name]
-    store: Path = request.getfixturevalue("demo_store")
+    store: Path = request.getfixturevalue({"demo": "demo_store", "onnx": "onnx_store", "tiny-cnn": "tiny_cnn_store"}[case.store])
     if case.store == "onnx":
         request.getfixturevalue("exports")
-        store = request.getfixturevalue("onnx_store")
-    cls = PluginRegistry.from_entry_points(only={name}).get(name).cls
-    validate_plugin_class(name, cls)
-    options = resolved_options(name, case.options, store)
-    assert isinstance(options, cls.Options)
-    inputs = case.inputs(payloads)
-    assert all(accepts(cls, payload) for payload in inputs), (cls.accepts, [p.media_type for p in inputs])
-
-    plugin: ModelPlugin[Any] = cls(options, PluginContext("m", store))
-    if not case.loads_on_cpu:
-        with pytest.raises(Exception, match="model 'm'"):
-            plugin.load("cpu")
-        return
-    plugin.load("cpu")
-    try:
-        check_memory_estimate(plugin.memory_estimate())
-        example = plugin.example_payload()
-        if example is not None:
-            assert accepts(cls, example), f"the example payload's {example.media_type} is not in {cls.accepts}"
-            plugin.warmup(2)
-        check_round_trip(plugin, inputs)
-        if case.prepares_in_a_front:
-            check_front_process(cls, options, store, plugin, inputs)
-    finally:
-        plugin.unload()
-
-
-def resolved_options(name: str, options: dict[str, Any], store: Path) -> Any:
-    """The case's options through the fleet resolver; a misspelt key beside them is refused."""
-    registry = PluginRegistry.from_entry_points(only={name})
-
-    def resolve(given: dict[str, Any]) -> Any:
-        fleet = FleetConfig.model_validate({"model_store": str(store), "models": {"m": {"plugin": name, "options": given}}})
-        return resolve_fleet(fleet, registry, "contract").models["m"].options
-
-    with pytest.raises(ConfigError, match=r"models\.m\.options\.no_such_option: unknown key"):
-        resolve({**options, "no_such_option": 1})
-    return resolve(options)
-
-
-def accepts(cls: type[ModelPlugin[Any]], payload: Payload) -> bool:
-    media = payload.media_type.split(";", 1)[0].strip().lower()
-    return any(fnmatch(media, pattern) for pattern in cls.accepts)
-
-
-def check_memory_estimate(estimate: MemoryEstimate) -> None:
-    assert isinstance(estimate, MemoryEstimate)
-    figures = (estimate.weights_bytes, estimate.per_item_bytes, estimate.fixed_bytes)
-    assert all(isinstance(n, int) and n >= 0 for n in figures), figures
-    assert estimate.source == "estimate"
-
-
-def check_round_trip(plugin: ModelPlugin[Any], inputs: list[Payload]) -> None:
-    items = [plugin.preprocess(payload) for payload in inputs]
-    outputs = plugin.predict_batch(items)
-    assert len(outputs) == len(items), f"{len(outputs)} outputs for a batch of {len(items)}"
-    answers = [plugin.postprocess(output, item) for output, item in zip(outputs, items, strict=True)]
-    for answer in answers:
-        json.dumps(answer, allow_nan=False)  # plain JSON types, no NaN or infinity
-    alone = [plugin.postprocess(plugin.predict_batch([item])[0], item) for item in items]
-    order = [min(range(len(alone)), key=lambda k: distance(answer, alone[k])) for answer in answers]
-    assert order == list(range(len(items))), f"batch answers match the inputs run alone in the order {order}"
-    for payload, item in zip(inputs, items, strict=True):
-        json.dumps(plugin.describe_input(payload, item), allow_nan=False)
-
-
-def check_front_process(cls: type[ModelPlugin[Any]], options: Any, store: Path, loaded: ModelPlugin[Any],
-                        inputs: list[Payload]) -> None:
-    if cls.preprocess_needs_model:
-        return  # its hooks run in the engine, beside the model
-    front = cls(options, PluginContext("m", store))
-    front.adopt_front_state(pickle.loads(pickle.dumps(loaded.front_state(), protocol=5)))
-    for payload in inputs:
-        item = front.preprocess(payload)
-        packed, _ = Packer(None).pack(item)
-        output = loaded.predict_batch([unpack(packed, None)])[0]  # the item as the engine receives it
-        here = front.postprocess(unpack(Packer(None).pack(output)[0], None), item)
-        there = loaded.postprocess(output, loaded.preprocess(payload))
-        assert distance(here, there) == 0, (here, there)
-        json.dumps(front.describe_input(payload, item), allow_nan=False)
-
-
-def distance(a: Any, b: Any) -> float:
-    """How different two JSON answers are: relative number differences, 1 per other mismatch."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return sum(distance(a.get(key), b.get(key)) for key in a.keys() | b.keys())
-    if isinstance(a, Sequence) and isinstance(b, Sequence) and not isinstance(a, str) and not isinstance(b, str):
-        return sum(distance(x, y) for x, y in zip(a, b)) + abs(len(a) - len(b))
-    numbers = (int, float)
-    if isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool) and not isinstance(b, bool):
-        return 0.0 if a == b else abs(a - b) / (abs(a) + abs(b)) if math.isfinite(a - b) else 1.0
-    return 0.0 if a == b else 1.0
+    report = check_plugin(name, options=case.options, inputs=case.inputs(payloads), store=store,
+                          refuses=not case.loads_on_cpu, front_process=case.prepares_in_a_front)
+    assert (report.refusal is None) == case.loads_on_cpu, report
+    assert report.steps[-1] == "unload" or not case.loads_on_cpu, report.steps

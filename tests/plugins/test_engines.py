@@ -1,4 +1,4 @@
-"""model-router-engines, what the onnx and tensorrt plugins share: the check inputs, onnxruntime as
+"""vision-model-router-engines, what the onnx and tensorrt plugins share: the check inputs, onnxruntime as
 the reference an engine is checked against, the TensorRT build from an ONNX file (with TensorRT
 itself stood in for, so it runs on a CPU), the per-task processing, and what serving TensorRT imports."""
 
@@ -136,17 +136,17 @@ def test_staged_input_bytes_follow_the_task(exports: dict[str, OnnxExport]) -> N
 def test_a_task_whose_processing_is_not_installed_is_a_clear_load_error(
     exports: dict[str, OnnxExport], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(sys.modules, "model_router_yolo.processing", None)  # as if model-router-yolo were missing
+    monkeypatch.setitem(sys.modules, "model_router_yolo.processing", None)  # as if vision-model-router-yolo were missing
     with pytest.raises(RuntimeError, match=r"model 'det': a 'detect' export is served with the yolo plugin's "
-                                           r"processing, which is not installed \(pip install 'model-router-engines\[detect\]'"):
+                                           r"processing, which is not installed \(pip install -e 'plugins/engines\[detect\]'"):
         build_processing(exports["yolov8n"].metadata, ServingOverrides(), "det")
 
 
 def test_serving_tensorrt_does_not_pull_in_ultralytics(exports: dict[str, OnnxExport]) -> None:
     """Neither the tensorrt distribution's requirements nor importing it, building engines or
     serving a classify engine bring ultralytics, the yolo plugin or the onnx plugin."""
-    base = [r for r in requires("model-router-tensorrt") or [] if "extra ==" not in r]
-    assert not [r for r in base if r.startswith(("model-router-onnx", "model-router-yolo", "ultralytics"))], base
+    base = [r for r in requires("vision-model-router-tensorrt") or [] if "extra ==" not in r]
+    assert not [r for r in base if r.startswith(("vision-model-router-onnx", "vision-model-router-yolo", "ultralytics"))], base
     code = (
         "import json, sys\n"
         "import model_router_tensorrt, model_router_tensorrt.build\n"

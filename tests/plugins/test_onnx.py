@@ -129,7 +129,7 @@ def test_export_refuses_other_plugins_before_loading_them(demo_store: Path, tmp_
 def test_the_exporter_is_found_through_its_entry_point() -> None:
     found = installed_exporters()
     assert isinstance(found.entries["onnx"].target, OnnxExporter)
-    assert found.entries["onnx"].distribution == "model-router-onnx"
+    assert found.entries["onnx"].distribution == "vision-model-router-onnx"
     assert OnnxExporter.needs is None and OnnxExporter().problems("cpu") == []
 
 
@@ -253,7 +253,7 @@ def test_options_are_validated() -> None:
 
 def test_entry_point_names_the_plugin() -> None:
     (point,) = [p for p in entry_points(group="model_router.plugins") if p.name == "onnx"]
-    assert point.load() is OnnxPlugin and point.dist is not None and point.dist.name == "model-router-onnx"
+    assert point.load() is OnnxPlugin and point.dist is not None and point.dist.name == "vision-model-router-onnx"
     assert PluginRegistry.from_entry_points().get("onnx").cls is OnnxPlugin
 
 

@@ -22,8 +22,8 @@ def test_each_demo_file_is_declared_by_the_plugin_that_serves_it() -> None:
     found = demo_files()
     assert found.broken == {}
     assert {name: (e.target, e.distribution) for name, e in found.entries.items()} == {
-        "yolov8n": (YOLOV8N, "model-router-yolo"),
-        "resnet18": (RESNET18, "model-router-resnet"),
+        "yolov8n": (YOLOV8N, "vision-model-router-yolo"),
+        "resnet18": (RESNET18, "vision-model-router-resnet"),
     }
 
 

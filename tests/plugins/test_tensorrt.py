@@ -102,7 +102,7 @@ def test_every_chunk_plan_covers_the_batch_within_the_profile() -> None:
 def test_start_up_problems_are_named() -> None:
     assert startup_problems("cuda:0", tensorrt_version="10.9.0", cuda_available=True) == []
     missing = startup_problems("cuda:0", tensorrt_version=None, cuda_available=False)
-    assert missing == ["the `tensorrt` package is not installed (pip install 'model-router-tensorrt[tensorrt]')",
+    assert missing == ["the `tensorrt` package is not installed (pip install -e 'plugins/tensorrt[tensorrt]')",
                        "device 'cuda:0' is not available: torch.cuda.is_available() is False"]
     assert startup_problems("cpu", tensorrt_version="8.6.1", cuda_available=True) == [
         "TensorRT 8.6.1 is too old; 10.0 or newer is needed",
@@ -141,7 +141,7 @@ def test_the_package_imports_and_registers_without_tensorrt() -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False", "importing the plugin must not import tensorrt"
     (point,) = [p for p in entry_points(group="model_router.plugins") if p.name == "tensorrt"]
-    assert point.dist is not None and point.dist.name == "model-router-tensorrt"
+    assert point.dist is not None and point.dist.name == "vision-model-router-tensorrt"
 
 
 # -- on a GPU with TensorRT ------------------------------------------------------------------------------
@@ -164,7 +164,7 @@ def gpu_plan(store: Path, max_batch: int) -> FleetPlan:
 @pytest.fixture(scope="module")
 def engines(demo_store: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Both demo models exported with batch policy max 4 and built from their ONNX files into fp32 engines."""
-    pytest.importorskip("tensorrt", reason="needs the tensorrt package (pip install 'model-router-tensorrt[tensorrt]')")
+    pytest.importorskip("tensorrt", reason="needs the tensorrt package (pip install -e 'plugins/tensorrt[tensorrt]')")
     from model_router_onnx.export import export_onnx
     from model_router_tensorrt.build import build_engine
 

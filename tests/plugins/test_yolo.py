@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import subprocess
+import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -300,3 +302,43 @@ def test_half_on_cuda_agrees_with_fp32(demo_store: Path, payloads: list[Payload]
             assert any(
                 d["class_id"] == want["class_id"] and abs(d["score"] - want["score"]) < 0.02 for d in b["detections"]
             )
+
+
+@pytest.mark.parametrize(("height", "width"), [(480, 640), (1080, 810), (37, 3000), (320, 320), (5, 7)])
+def test_scale_boxes_gives_ultralytics_bits_without_torch(height: int, width: int) -> None:
+    """The front's numpy `scale_boxes` is ultralytics' torch one, float32 for float32, clipping included."""
+    from model_router_yolo.processing import scale_boxes
+    from ultralytics.utils.ops import scale_boxes as reference
+
+    rng = np.random.default_rng(height * width)
+    boxes = rng.uniform(-40, IMGSZ + 40, size=(500, 4)).astype(np.float32)
+    want = reference((IMGSZ, IMGSZ), torch.from_numpy(boxes.copy()), (height, width)).numpy()
+    got = scale_boxes((IMGSZ, IMGSZ), boxes.copy(), (height, width))
+    assert got.dtype == np.float32 and np.array_equal(got, want)
+    assert want.min() == 0 and (want[:, [0, 2]].max(), want[:, [1, 3]].max()) == (width, height)  # clipping ran
+
+
+def test_front_hooks_run_without_torch(demo_store: Path, plugin: YoloPlugin, payloads: list[Payload]) -> None:
+    """What a split host's front runs (build, adopt the front state, preprocess, postprocess) imports
+    neither torch nor ultralytics, and answers what the loaded plugin answers."""
+    item = plugin.preprocess(payloads[0])
+    output = plugin.predict_batch([item])[0]
+    script = (
+        "import pickle, sys\n"
+        "from pathlib import Path\n"
+        "from model_router_yolo import YoloOptions, YoloPlugin\n"
+        "from router.sdk.plugin import PluginContext\n"
+        "state, payload, output = pickle.loads(sys.stdin.buffer.read())\n"
+        f"front = YoloPlugin(YoloOptions(model='yolov8n.pt', imgsz={IMGSZ}), PluginContext('detector', Path(sys.argv[1])))\n"
+        "front.adopt_front_state(state)\n"
+        "item = front.preprocess(payload)\n"
+        "answer = front.postprocess(output, item)\n"
+        "heavy = sorted(m for m in ('torch', 'torchvision', 'ultralytics') if m in sys.modules)\n"
+        "sys.stdout.buffer.write(pickle.dumps((heavy, item.pixels, answer)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(demo_store)], capture_output=True, check=False, timeout=120,
+                          input=pickle.dumps((plugin.front_state(), payloads[0], output)))
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    heavy, pixels, answer = pickle.loads(done.stdout)
+    assert heavy == []
+    assert np.array_equal(pixels, item.pixels) and answer == plugin.postprocess(output, item)

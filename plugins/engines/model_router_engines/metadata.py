@@ -2,7 +2,7 @@
 labels, post-processing defaults and the batch profile. Stored as JSON under one key of the ONNX
 model's metadata_props, and beside a TensorRT engine as `<engine>.json`.
 
-Pure pydantic: importing this module needs neither torch, onnx nor onnxruntime.
+Pydantic and the SDK's JSON loader: importing this module needs neither torch, onnx nor onnxruntime.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from router.sdk import InputError, loads_bounded
 
 __all__ = [
     "METADATA_KEY",
@@ -134,8 +136,10 @@ def parse_metadata(text: str | None, source: str) -> ExportMetadata:
             "plugin knows its task, input size, normalisation and labels"
         )
     try:
-        data: Any = json.loads(text)
+        data: Any = loads_bounded(text, f"its {METADATA_KEY!r} metadata")
         return ExportMetadata.model_validate(data)
+    except InputError as exc:  # not JSON, nested too deep, too large once parsed
+        raise MetadataError(f"{source}: {exc.detail}") from None
     except (ValueError, ValidationError) as exc:
         detail = str(exc).splitlines()
         summary = "; ".join(line.strip() for line in detail[:4])

@@ -3,7 +3,7 @@
 Nothing is re-implemented here: `detect` is the yolo plugin's `YoloProcessing`, `classify` the
 resnet plugin's `ClassifyProcessing`. Both engine plugins (`onnx`, `tensorrt`) build theirs here.
 Each is imported only when an export of its task is served, so a classify engine needs neither the
-yolo plugin nor ultralytics (extras `model-router-engines[detect]` and `[classify]`).
+yolo plugin nor ultralytics (extras `vision-model-router-engines[detect]` and `[classify]`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from router.sdk import DEFAULT_MAX_PIXELS, Payload, PluginContext
 __all__ = ["ProcessingHooks", "ServingOverrides", "TaskProcessing", "build_processing", "staged_input_bytes"]
 
 #: Where each task's processing comes from, for the message when it is not installed.
-_PROCESSING = {"detect": ("yolo", "model-router-yolo"), "classify": ("resnet", "model-router-resnet")}
+_PROCESSING = {"detect": ("yolo", "vision-model-router-yolo"), "classify": ("resnet", "vision-model-router-resnet")}
 
 
 class ProcessingHooks:
@@ -163,5 +163,5 @@ def _missing_processing(model: str, task: str, exc: ImportError) -> RuntimeError
     plugin, distribution = _PROCESSING[task]
     return RuntimeError(
         f"model {model!r}: a {task!r} export is served with the {plugin} plugin's processing, which is not "
-        f"installed (pip install 'model-router-engines[{task}]', which brings {distribution}): {exc}"
+        f"installed (pip install -e 'plugins/engines[{task}]', which brings {distribution}): {exc}"
     )

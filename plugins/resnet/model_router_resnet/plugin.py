@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
-import torchvision
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model_router_resnet.processing import CROP, ClassifyItem, ClassifyProcessing, TopK
@@ -90,6 +89,8 @@ class ResNetPlugin(ModelPlugin[ResNetOptions]):
         require_cuda_for_half(self.context.model_name, device, self.options.half)
         state = _read_state_dict(self.weights_path)
         num_classes = _fc_rows(state, self.weights_path)
+        import torchvision  # here, not at the top: a split host's fronts run the hooks without it
+
         # Built on the meta device (no random initialisation to throw away), then the checkpoint's
         # tensors are taken as they are: a load, and an on-demand reload, cost little beyond reading the file.
         with torch.device("meta"):
@@ -162,6 +163,8 @@ class ResNetPlugin(ModelPlugin[ResNetOptions]):
         """The labels file, or the ImageNet categories for a 1000-class model, or the ids as text."""
         if self.labels_path is None:
             if num_classes == 1000:  # the categories live in the weights enum's metadata; nothing downloads
+                import torchvision
+
                 return list(torchvision.models.ResNet18_Weights.IMAGENET1K_V1.meta["categories"])
             return [str(i) for i in range(num_classes)]
         try:

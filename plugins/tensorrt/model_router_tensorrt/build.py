@@ -47,7 +47,7 @@ def engine_problems(device: str = "cuda:0") -> list[str]:
     problems = startup_problems(device, tensorrt_version=tensorrt_version(), cuda_available=torch.cuda.is_available())
     if importlib.util.find_spec("onnxruntime") is None:
         problems.append("the engine is checked against onnxruntime, which is not installed "
-                        "(pip install 'model-router-tensorrt[tensorrt]')")
+                        "(pip install -e 'plugins/tensorrt[tensorrt]')")
     return problems
 
 

@@ -80,7 +80,7 @@ def startup_problems(
     """Why the plugin cannot run here (empty: it can). `tensorrt_version` None: not installed."""
     problems = []
     if tensorrt_version is None:
-        problems.append("the `tensorrt` package is not installed (pip install 'model-router-tensorrt[tensorrt]')")
+        problems.append("the `tensorrt` package is not installed (pip install -e 'plugins/tensorrt[tensorrt]')")
     elif _major(tensorrt_version) < MIN_TENSORRT_MAJOR:
         problems.append(f"TensorRT {tensorrt_version} is too old; {MIN_TENSORRT_MAJOR}.0 or newer is needed")
     if not device.startswith("cuda:"):

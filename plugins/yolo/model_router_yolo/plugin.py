@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from model_router_yolo.processing import DetectSettings, Letterboxed, YoloProcessing, check_class_ids
@@ -21,14 +20,14 @@ from router.sdk import (
     ModelPlugin,
     Payload,
     PluginContext,
-    activation_bytes,
     example_jpeg,
     require_cuda_for_half,
-    tensor_bytes,
 )
 from router.sdk.device_images import use_device_decode
 
 if TYPE_CHECKING:
+    import numpy as np
+    import torch
     from ultralytics.nn.autobackend import AutoBackend
 
 __all__ = ["Letterboxed", "YoloOptions", "YoloPlugin"]
@@ -90,7 +89,7 @@ class YoloPlugin(ModelPlugin[YoloOptions]):
     def __init__(self, options: YoloOptions, context: PluginContext) -> None:
         super().__init__(options, context)
         self.path = context.resolve_path(options.model)  # a path escaping the store fails here, at start-up
-        self.device = torch.device("cpu")
+        self.device: torch.device | None = None  # set by `load`; a split host's front never loads, nor imports torch
         self.names: list[str] = []
         self._network: AutoBackend | None = None
         self._processing: YoloProcessing | None = None
@@ -98,6 +97,7 @@ class YoloPlugin(ModelPlugin[YoloOptions]):
     def load(self, device: str) -> None:
         """Build the network from the checkpoint or YAML, fuse it and move it to `device`."""
         _offline()
+        import torch
         from ultralytics.nn.autobackend import AutoBackend
 
         self.device = torch.device(device)
@@ -146,14 +146,16 @@ class YoloPlugin(ModelPlugin[YoloOptions]):
         """Decode, letterbox to the fixed square input (ultralytics' LetterBox), HWC -> CHW."""
         return self.processing.preprocess(payload)
 
-    def predict_batch(self, items: Sequence[Letterboxed]) -> list[torch.Tensor]:
-        """One forward pass and NMS for the batch; each output is an (n, 6) CPU tensor x1 y1 x2 y2 score class."""
+    def predict_batch(self, items: Sequence[Letterboxed]) -> list[np.ndarray]:
+        """One forward pass and NMS for the batch; each output is an (n, 6) float32 array x1 y1 x2 y2 score class."""
+        import torch
+
         network, processing = self._loaded(), self.processing
         with torch.inference_mode():
             raw = network(processing.network_input(items, self.device, half=self.options.half))
             return processing.decode(raw)
 
-    def postprocess(self, output: torch.Tensor, item: Letterboxed) -> dict[str, Any]:
+    def postprocess(self, output: np.ndarray, item: Letterboxed) -> dict[str, Any]:
         """Boxes back in the original image's pixels, with scores and labels."""
         return self.processing.postprocess(output, item)
 
@@ -162,6 +164,10 @@ class YoloPlugin(ModelPlugin[YoloOptions]):
 
     def memory_estimate(self) -> MemoryEstimate:
         """Weights as loaded; per item the input plus every activation of one forward (an upper bound)."""
+        import torch
+
+        from router.sdk import activation_bytes, tensor_bytes  # need torch: imported here, not at the top
+
         module = self.module
         weights = tensor_bytes([*module.parameters(), *module.buffers()])
         dtype = torch.float16 if self.options.half else torch.float32
@@ -176,11 +182,15 @@ class YoloPlugin(ModelPlugin[YoloOptions]):
     def unload(self) -> None:
         self._network = None
         self._processing = None
-        if self.device.type == "cuda" and torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if self.device is not None and self.device.type == "cuda":
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def _build(self) -> Any:
         """The ultralytics YOLO object for the option `model`; never lets ultralytics download."""
+        import torch
         from ultralytics import YOLO  # type: ignore[attr-defined]  # lazily re-exported
 
         if self.path.is_file():

@@ -4,6 +4,10 @@ The eager `yolo` plugin and the engine plugins (`onnx`, `tensorrt`) share this c
 square letterbox on the CPU, the uint8 -> float conversion on the device, then ultralytics' NMS
 and the scaling of boxes back to the original image.
 
+`preprocess` and `postprocess` (what a split host's fronts run) use numpy and OpenCV only: the
+letterboxed image is a numpy array, the engine's output one too, and torch is imported where the
+network's input is made and its output decoded.
+
 The letterbox is ultralytics' `LetterBox` (same sizes, rounding, `INTER_LINEAR` resize and grey
 114 border), done without its copies: libjpeg-turbo decodes to BGR, the resize writes the image's three
 planes straight into the CHW canvas, reversing the channel order on the way. `decode: fast` lets
@@ -18,15 +22,17 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import torch
 
 from router.sdk import DEFAULT_MAX_ASPECT_RATIO, DEFAULT_MAX_PIXELS, Payload, open_image
 from router.sdk.device_images import EncodedJpeg, decode_on_device, encoded_jpeg
 
-__all__ = ["DetectSettings", "Letterboxed", "Placement", "YoloProcessing", "check_class_ids", "offline"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DetectSettings", "Letterboxed", "Placement", "YoloProcessing", "check_class_ids", "offline", "scale_boxes"]
 
 PAD_VALUE = 114  # ultralytics' letterbox grey
 
@@ -36,7 +42,7 @@ class Letterboxed:
     """One image ready for the network: uint8 RGB (3, imgsz, imgsz), and its original size.
     With device decode, a JPEG comes as `encoded` instead, and `pixels` is None."""
 
-    pixels: torch.Tensor | None
+    pixels: np.ndarray | None
     width: int
     height: int
     encoded: EncodedJpeg | None = None
@@ -108,7 +114,7 @@ class YoloProcessing:
         bgr = image.decode(channels="BGR", fit=fit)
         height, width = bgr.shape[:2] if fit is None else (header.height, header.width)  # full-size placement
         pixels = self._letterbox(bgr, Placement.fit(width, height, self.imgsz))
-        return Letterboxed(pixels=torch.from_numpy(pixels), width=width, height=height)
+        return Letterboxed(pixels=pixels, width=width, height=height)
 
     def _letterbox(self, bgr: np.ndarray, box: Placement) -> np.ndarray:
         """uint8 (3, imgsz, imgsz) RGB: the resized image's planes written into the grey canvas."""
@@ -127,14 +133,19 @@ class YoloProcessing:
     def network_input(self, items: Sequence[Letterboxed], device: torch.device, *, half: bool = False) -> torch.Tensor:
         """The batch as the network takes it: (n, 3, imgsz, imgsz) in [0, 1]. JPEGs left encoded
         are decoded and letterboxed on `device` first."""
+        import torch
+
         encoded = [item.encoded for item in items if item.pixels is None and item.encoded is not None]
         done = iter(self._letterbox_on_device(image) for image in decode_on_device(encoded, device))
-        batch = torch.stack([next(done) if item.pixels is None else item.pixels.to(device) for item in items])
+        batch = torch.stack([next(done) if item.pixels is None else torch.from_numpy(item.pixels).to(device)
+                             for item in items])
         # Same conversion as ultralytics' predictor: uint8 to the device, then scale there.
         return (batch.half() if half else batch.float()).div_(255)
 
     def _letterbox_on_device(self, image: torch.Tensor) -> torch.Tensor:
         """uint8 RGB (3, H, W) on any device -> the letterboxed uint8 (3, imgsz, imgsz) there."""
+        import torch
+
         height, width = image.shape[-2:]
         box = Placement.fit(width, height, self.imgsz)
         if (height, width) != (box.height, box.width):
@@ -153,9 +164,9 @@ class YoloProcessing:
 
         return 3 * DEVICE_DECODE_MAX_PIXELS * 5 if self.device_decode else 0  # uint8 decode + its float copy
 
-    def decode(self, raw: Any) -> list[torch.Tensor]:
+    def decode(self, raw: Any) -> list[np.ndarray]:
         """ultralytics' NMS on the raw head output (n, 4 + classes, anchors); per image an (k, 6)
-        CPU tensor x1 y1 x2 y2 score class in network-input pixels."""
+        float32 array x1 y1 x2 y2 score class in network-input pixels."""
         from ultralytics.utils.nms import non_max_suppression
 
         settings = self.settings
@@ -170,14 +181,12 @@ class YoloProcessing:
             # with no boxes; the router's execution timeout bounds a batch instead.
             max_time_img=math.inf,
         )
-        return [d[:, :6].float().cpu() for d in detections]
+        return [d[:, :6].float().cpu().numpy() for d in detections]
 
-    def postprocess(self, output: torch.Tensor, item: Letterboxed) -> dict[str, Any]:
+    def postprocess(self, output: np.ndarray, item: Letterboxed) -> dict[str, Any]:
         """Boxes back in the original image's pixels, with scores and labels."""
-        from ultralytics.utils.ops import scale_boxes
-
         side = self.imgsz
-        boxes = scale_boxes((side, side), output[:, :4].clone(), (item.height, item.width))
+        boxes = scale_boxes((side, side), np.array(output[:, :4], dtype=np.float32), (item.height, item.width))
         detections = [
             {"box": box, "score": score, "class_id": int(cls), "label": self.label(int(cls))}
             for box, score, cls in zip(boxes.tolist(), output[:, 4].tolist(), output[:, 5].tolist(), strict=True)
@@ -186,6 +195,24 @@ class YoloProcessing:
 
     def label(self, class_id: int) -> str:
         return self.names[class_id] if 0 <= class_id < len(self.names) else str(class_id)
+
+
+def scale_boxes(letterboxed: tuple[int, int], boxes: np.ndarray, original: tuple[int, int]) -> np.ndarray:
+    """xyxy boxes (float32, changed in place) from the letterboxed square back to the original
+    (height, width), clipped to it: ultralytics' `ops.scale_boxes` for xyxy boxes, step for step in
+    float32 (tests/plugins/test_yolo.py holds it to the same bits), without importing torch."""
+    gain = min(letterboxed[0] / original[0], letterboxed[1] / original[1])
+    new_h, new_w = (max(round(x * gain), 1) for x in original)  # LetterBox rounds each side
+    gain_y, gain_x = new_h / original[0], new_w / original[1]
+    pad_x, pad_y = round((letterboxed[1] - new_w) / 2 - 0.1), round((letterboxed[0] - new_h) / 2 - 0.1)
+    boxes[..., [0, 2]] -= pad_x
+    boxes[..., [1, 3]] -= pad_y
+    boxes[..., [0, 2]] /= gain_x
+    boxes[..., [1, 3]] /= gain_y
+    height, width = original
+    boxes[..., [0, 2]] = boxes[..., [0, 2]].clip(0, width)
+    boxes[..., [1, 3]] = boxes[..., [1, 3]].clip(0, height)
+    return boxes
 
 
 def offline() -> None:

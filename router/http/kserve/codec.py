@@ -16,7 +16,6 @@ from litestar.exceptions import HTTPException
 from litestar.serialization import encode_json
 
 from router.errors import InputError, RouterError, brief, v2_status
-from router.http.kserve.bounded_json import loads_bounded
 from router.inference_protocol.payloads import answer_elements
 from router.inference_protocol.repository import MODEL_VERSION
 from router.inference_protocol.request import (
@@ -32,6 +31,7 @@ from router.inference_protocol.request import (
 from router.inference_protocol.shared_memory import ClientRegions
 from router.inference_protocol.submission import ItemFailed
 from router.inference_protocol.tensors import Tensor, serialize_bytes, tensor_from_binary, tensor_from_json
+from router.sdk.bounded_json import loads_bounded
 
 __all__ = ["HEADER_LENGTH", "decode_request", "encode_error", "encode_response"]
 

@@ -22,7 +22,6 @@ from litestar.params import FromPath
 from router.errors import InputError, PayloadTooLarge, UnsupportedMediaType, brief
 from router.http.auth import Access
 from router.http.disconnect import run_unless_disconnected
-from router.http.kserve.bounded_json import loads_bounded
 from router.http.kserve.codec import HEADER_LENGTH, decode_request, encode_error, encode_response
 from router.http.kserve.shared_memory_routes import SHARED_MEMORY_ROUTES, client_regions
 from router.http.request_state import note_error, pipelines_of, received_at, request_phases, request_trace, runtime_of
@@ -32,6 +31,7 @@ from router.inference_protocol.shared_memory import ClientRegions
 from router.inference_protocol.submission import Ran, item_traces, run_request
 from router.inference_protocol.targets import Target, find_target
 from router.inference_protocol.targets import repository_index as repository_entries
+from router.sdk.bounded_json import loads_bounded
 from router.tracing.api import Phases
 
 __all__ = ["v2_error_response", "v2_router"]

@@ -12,7 +12,6 @@ from litestar.params import FromPath
 
 from router.access import AccessPolicy
 from router.errors import InputError, brief
-from router.http.kserve.bounded_json import loads_bounded
 from router.inference_protocol.shared_memory import (
     Caller,
     ClientRegions,
@@ -20,6 +19,7 @@ from router.inference_protocol.shared_memory import (
     SharedMemoryRegistry,
     refuse_cuda,
 )
+from router.sdk.bounded_json import loads_bounded
 
 __all__ = ["SHARED_MEMORY_ROUTES", "client_regions", "registry_of"]
 
@@ -33,7 +33,7 @@ def _caller(request: Request[Any, Any, Any]) -> Caller:
     """The request's client as shared memory knows it: its address (the connection's peer, or the
     proxy's X-Forwarded-For where MODEL_ROUTER_PROXY_HEADERS trusts it) and the key it presented."""
     policy: AccessPolicy = request.app.state.access_policy
-    holder = policy.holder(request.headers.get("authorization"))
+    holder = policy.holder(tuple(request.headers.getall("authorization", ())))
     host = request.client.host if request.client is not None else None
     return registry_of(request).caller(host, holder.id, holder.admin)
 

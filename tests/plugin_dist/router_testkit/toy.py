@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.sdk import InputError, MemoryEstimate, ModelPlugin, Payload
+from router.sdk import InputError, MemoryEstimate, ModelPlugin, Payload, loads_bounded
 
 IN_FEATURES = 16
 
@@ -39,11 +39,12 @@ class ToyPlugin(ModelPlugin[ToyOptions]):
         self.model = build_model(self.options.seed, self.options.hidden).to(self.device)
 
     def preprocess(self, payload: Payload) -> torch.Tensor:
+        expected = f'JSON like {{"x": [{IN_FEATURES} numbers]}}'
+        data = loads_bounded(payload.body, "the input", expected=expected)
         try:
-            data = json.loads(payload.body)
             values = data["x"]
-        except (ValueError, TypeError, KeyError) as exc:
-            raise InputError(f'expected JSON like {{"x": [{IN_FEATURES} numbers]}}: {exc}') from None
+        except (TypeError, KeyError) as exc:
+            raise InputError(f"expected {expected}: {exc!r}") from None
         if not isinstance(values, list) or len(values) != IN_FEATURES:
             raise InputError(f"'x' must be a list of {IN_FEATURES} numbers, got {str(values)[:80]}")
         try:

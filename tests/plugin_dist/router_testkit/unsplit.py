@@ -8,12 +8,11 @@ request shows that. `EngineHooksPlugin` says so itself (`preprocess_needs_model`
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from router.sdk import InputError, MemoryEstimate, ModelPlugin, NoOptions, Payload
+from router.sdk import InputError, MemoryEstimate, ModelPlugin, NoOptions, Payload, loads_bounded
 
 
 class UnsplitPlugin(ModelPlugin[NoOptions]):
@@ -24,8 +23,8 @@ class UnsplitPlugin(ModelPlugin[NoOptions]):
 
     def preprocess(self, payload: Payload) -> str:
         try:
-            return str(json.loads(payload.body)["id"])
-        except (ValueError, KeyError, TypeError) as exc:
+            return str(loads_bounded(payload.body, "the input", expected='JSON like {"id": "..."}')["id"])
+        except (KeyError, TypeError) as exc:
             raise InputError(f'expected JSON like {{"id": "..."}}: {exc}') from None
 
     def predict_batch(self, items: Sequence[str]) -> list[str]:

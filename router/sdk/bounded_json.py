@@ -1,4 +1,5 @@
-"""JSON from clients, with its nesting, its parsed size and its text bounded before it is parsed.
+"""JSON from clients, with its nesting, its parsed size and its text bounded before it is parsed:
+the one JSON loader of the router's own parsers and of plugins (`loads_bounded`, in the SDK).
 
 - *Nesting*: `json.loads` recurses once per level, so `[` x 100,000 raises RecursionError (a 500
   and a traceback before this module), and whatever walks the parsed value recurses too.
@@ -144,21 +145,25 @@ def lone_surrogate(text: bytes) -> str | None:
     return None
 
 
-def loads_bounded(text: bytes, where: str, *, expected: str = "JSON", limit: int = MAX_JSON_DEPTH) -> Any:
-    """Parse JSON text, refusing text that is not JSON, nests more than `limit` levels (400), would
-    take more than COST_RATIO times its size once parsed (413), or holds a lone surrogate (400):
-    '{where} must be {expected}: {why}'."""
-    too_deep = InputError(f"{where} nests arrays and objects more than {limit} levels deep")
-    deep, cost = measure_json(text, limit)
+def loads_bounded(text: bytes | str, where: str = "the input", *, expected: str = "JSON",
+                  max_depth: int = MAX_JSON_DEPTH, max_bytes: int | None = None) -> Any:
+    """Parse JSON text, refusing text that is over `max_bytes` (413), is not JSON, nests more than
+    `max_depth` levels (400), would take more than COST_RATIO times its size once parsed (413), or
+    holds a lone surrogate (400): '{where} must be {expected}: {why}'."""
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+    if max_bytes is not None and len(data) > max_bytes:
+        raise PayloadTooLarge(f"{where} is {len(data)} bytes of JSON; at most {max_bytes} are accepted")
+    too_deep = InputError(f"{where} nests arrays and objects more than {max_depth} levels deep")
+    deep, cost = measure_json(data, max_depth)
     if deep:
         raise too_deep
-    if cost > allowed_bytes(len(text)):
-        raise PayloadTooLarge(f"{where} would take about {cost // 2**20} MB once parsed ({len(text)} bytes of "
+    if cost > allowed_bytes(len(data)):
+        raise PayloadTooLarge(f"{where} would take about {cost // 2**20} MB once parsed ({len(data)} bytes of "
                               f"text); send tensor data as flat lists, or in binary (binary_data_size)")
-    if (surrogate := lone_surrogate(text)) is not None:
+    if (surrogate := lone_surrogate(data)) is not None:
         raise InputError(f"{where} holds a lone surrogate ({surrogate}), which is not Unicode text")
     try:
-        return json.loads(text)
+        return json.loads(data)
     except RecursionError:
         raise too_deep from None
     except (ValueError, UnicodeDecodeError) as exc:
