@@ -17,23 +17,28 @@ import uvicorn
 from router.errors import ModelNotFound, QueueFull, RouterError
 from router.http.auth import AccessPolicy
 from router.http.early import EarlyRefusals
-from router.http.protocol import PASSED, PRECHECKED, EarlyAnswer, HttpLimits, Passed, guarded_protocol
+from router.http.protocol import SCREENED, EarlyAnswer, HttpLimits, guarded_protocol
 from tests.conftest import free_port
 
 KEY = b"k-0123456789abcdef"
 
 
+#: What the recording façade's screen makes of a request it lets through.
+LET_THROUGH = object()
+
+
 class Facade:
-    """Records each precheck; raises `refusal` when set."""
+    """Records each screen; raises `refusal` when set, else lets the request through."""
 
     def __init__(self, refusal: RouterError | None = None) -> None:
         self.refusal = refusal
         self.calls: list[tuple[str, dict[str, Any]]] = []
 
-    def precheck(self, model: str, **kwargs: Any) -> None:
+    def screen(self, model: str, **kwargs: Any) -> object:
         self.calls.append((model, kwargs))
         if self.refusal is not None:
             raise self.refusal
+        return LET_THROUGH
 
 
 def screen(refusal: RouterError | None = None, policy: AccessPolicy | None = None) -> tuple[EarlyRefusals, Facade]:
@@ -74,7 +79,7 @@ def test_a_bad_header_is_refused_before_the_runtime_is_asked() -> None:
 
 def test_an_admitted_request_goes_on_to_the_app_as_checked() -> None:
     early, facade = screen()
-    assert early(b"POST", b"/models/m/predict", headers(("content-length", "10"))) == PASSED
+    assert early(b"POST", b"/models/m/predict", headers(("content-length", "10"))) is LET_THROUGH
     assert len(facade.calls) == 1
 
 
@@ -115,7 +120,7 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         message = await receive()
         size += len(message.get("body", b""))
         more = message.get("more_body", False)
-    body = json.dumps({"app": True, "bytes": size, "checked": scope["state"].get(PRECHECKED, False)}).encode()
+    body = json.dumps({"app": True, "bytes": size, "checked": scope["state"].get(SCREENED) is not None}).encode()
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
@@ -125,11 +130,11 @@ def failing_screen(method: bytes, url: bytes, fields: Sequence[tuple[bytes, byte
     raise RuntimeError("a bug in the screen")
 
 
-def refusing_screen(method: bytes, url: bytes, fields: Sequence[tuple[bytes, bytes]]) -> EarlyAnswer | Passed | None:
+def refusing_screen(method: bytes, url: bytes, fields: Sequence[tuple[bytes, bytes]]) -> object:
     """Refuses /refuse, passes /pass, leaves the rest."""
     if url == b"/refuse":
         return EarlyAnswer(503, ((b"retry-after", b"1"),), b'{"detail":"no"}')
-    return PASSED if url == b"/pass" else None
+    return LET_THROUGH if url == b"/pass" else None
 
 
 @contextmanager

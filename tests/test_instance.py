@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from router.errors import BatchSizeMismatch, DeviceOutOfMemory, ExecutionTimeout, ModelError
-from router.scheduling.queue import Ticket
 from router.sdk.plugin import MemoryEstimate, ModelPlugin, Payload, PluginContext
 from router.serving.instance import InstanceState, ModelInstance, is_out_of_memory
+from tests.outcomes import HeardTicket
 
 
 class Scripted(ModelPlugin):  # type: ignore[type-arg]
@@ -52,12 +52,12 @@ def ready_instance(behaviour: Callable[[list[Any]], list[Any]], timeout_s: float
     return instance, plugin
 
 
-def tickets(*items: str) -> list[Ticket]:
+def tickets(*items: str) -> list[HeardTicket]:
     loop = asyncio.get_running_loop()
-    return [Ticket(item, item, 1, 0.0, 60.0, loop.create_future()) for item in items]
+    return [HeardTicket(item, item, 1, 0.0, 60.0, future=loop.create_future()) for item in items]
 
 
-async def run(instance: ModelInstance, batch: list[Ticket]) -> None:
+async def run(instance: ModelInstance, batch: list[HeardTicket]) -> None:
     """Run a batch and answer its tickets from the result, as the device scheduler does."""
     (await instance.execute(batch)).resolve(dispatched_at=0.0)
 
@@ -173,7 +173,7 @@ async def test_a_wrong_number_of_outputs_is_a_named_error() -> None:
 async def test_tickets_whose_caller_left_are_dropped_before_the_batch_runs() -> None:
     instance, plugin = ready_instance(lambda items: items)
     batch = tickets("gone", "here")
-    batch[0].future.cancel()
+    batch[0].abandon()
     await run(instance, batch)
     assert plugin.batches == [["here"]]
 

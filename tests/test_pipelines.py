@@ -121,7 +121,7 @@ async def test_a_full_first_step_refuses_at_the_door_with_retry_after(tmp_path: 
         second = asyncio.create_task(runner.run("dc", jpeg(64, 48)))
         await until(lambda: runtime.model("boxes").queue_depth == 1)
         with pytest.raises(QueueFull) as door:
-            runner.precheck("dc")
+            runner.screen("dc")
         with pytest.raises(QueueFull):
             await runner.run("dc", jpeg(64, 48))
         assert {len((await task).output["detections"]) for task in (first, second)} == {3}

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
 from router.config import BatchPolicy
 from router.errors import ModelError, PayloadTooLarge, QueueFull
-from router.scheduling.queue import BatchFacts, BatchResult, DrainRate, ModelQueue, Ticket, TicketState
+from router.scheduling.queue import BatchFacts, BatchResult, DrainRate, Lease, ModelQueue, Ticket, TicketState, reject
+from tests.outcomes import HeardTicket
 
 
 def ticket(request_id: str, *, priority: int = 1, at: float = 0.0) -> Ticket:
@@ -57,16 +59,45 @@ def test_dispatch_marks_tickets_dispatched() -> None:
 def test_a_batch_result_answers_each_ticket_once_with_the_batch_it_rode() -> None:
     loop = asyncio.new_event_loop()
     try:
-        done, failed, answered = (Ticket(n, None, 1, 0.0, 10.0, loop.create_future()) for n in ("done", "failed", "x"))
-        answered.future.set_result("earlier")
-        error = ModelError("boom")
+        done, failed, answered = (HeardTicket(n, None, 1, 0.0, 10.0, future=loop.create_future())
+                                  for n in ("done", "failed", "x"))
+        earlier, error = ModelError("earlier"), ModelError("boom")
+        reject(answered, earlier)
         BatchResult([(done, "out"), (answered, "late")], [(failed, error)], size=3, execution_s=0.25, finished_at=7.5,
                     memory_delta_bytes=-4).resolve(dispatched_at=7.0)
         assert done.future.result() == "out" and done.batch == BatchFacts(3, 7.0, 0.25, 7.5, -4)
         assert failed.future.exception() is error and failed.batch == done.batch
-        assert answered.future.result() == "earlier" and answered.batch is None  # answered once: the first stands
+        assert answered.future.exception() is earlier and answered.batch is None  # answered once: the first stands
     finally:
         loop.close()
+
+
+class Instance:
+    """Counts its uses, as `ModelInstance.begin_use`/`end_use` do."""
+
+    def __init__(self) -> None:
+        self.uses = 0
+
+    def begin_use(self) -> None:
+        self.uses += 1
+
+    def end_use(self) -> None:
+        self.uses -= 1
+
+
+def test_a_served_ticket_leases_its_instance_until_the_lease_ends_once() -> None:
+    """The lease is the one place an answered ticket's use of its instance ends: ended twice, it
+    ends once; a ticket nobody reads any more (abandoned while its batch ran) takes no use."""
+    instance = Instance()
+    heard: list[Any] = []
+    read, abandoned = (Ticket(n, None, 1, 0.0, 10.0, heard.append) for n in ("read", "abandoned"))
+    abandoned.abandon()
+    BatchResult([(read, "out"), (abandoned, "late")], size=2, instance=instance).resolve(dispatched_at=1.0)
+    [served] = heard
+    assert served.output == "out" and isinstance(served.lease, Lease) and instance.uses == 1
+    served.lease.end()
+    served.lease.end()
+    assert instance.uses == 0
 
 
 def test_put_rejects_priority_outside_configured_levels() -> None:

@@ -139,7 +139,7 @@ async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 
 async def unknown_model(front: Front) -> RouterError:
-    return await error_of(lambda: front.facade.precheck("nope"))
+    return await error_of(lambda: front.facade.screen("nope"))
 
 
 async def priority_out_of_range(front: Front) -> RouterError:
@@ -147,11 +147,11 @@ async def priority_out_of_range(front: Front) -> RouterError:
 
 
 async def timeout_not_positive(front: Front) -> RouterError:
-    return await error_of(lambda: front.facade.precheck("m", timeout_ms=0))
+    return await error_of(lambda: front.facade.screen("m", timeout_ms=0))
 
 
 async def more_items_than_the_queue_holds(front: Front) -> RouterError:
-    return await error_of(lambda: front.facade.precheck("m", items=3))
+    return await error_of(lambda: front.facade.screen("m", items=3))
 
 
 async def queue_full(front: Front) -> RouterError:

@@ -18,6 +18,7 @@ from router.scheduling.queue import BatchResult, ModelQueue, Ticket
 from router.scheduling.scheduler import DeviceScheduler
 from router.scheduling.service_time import BatchTime
 from router.sdk.plugin import MemoryEstimate
+from tests.outcomes import HeardTicket
 from tests.probes import ScriptedProbe
 
 
@@ -94,11 +95,11 @@ def scheduler(clock: Clock, *, budget: int = 1000, probe: ScriptedProbe | None =
     return sched
 
 
-def enqueue(m: FakeModel, clock: Clock, count: int, *, deadline_s: float = 60.0, prefix: str = "r") -> list[Ticket]:
+def enqueue(m: FakeModel, clock: Clock, count: int, *, deadline_s: float = 60.0, prefix: str = "r") -> list[HeardTicket]:
     loop = asyncio.get_running_loop()
     tickets = []
     for i in range(count):
-        ticket = Ticket(f"{prefix}{i}", None, 1, clock.now, clock.now + deadline_s, loop.create_future())
+        ticket = HeardTicket(f"{prefix}{i}", None, 1, clock.now, clock.now + deadline_s, future=loop.create_future())
         m.queue.put(ticket)
         tickets.append(ticket)
     return tickets

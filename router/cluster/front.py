@@ -29,13 +29,13 @@ from router.cluster.layout import cluster_of, copy_policies, served_models
 from router.cluster.reports import ErrorReply, ReplicaReport, Reply
 from router.cluster.view import cluster_devices, cluster_model
 from router.config import FleetConfig, ModelConfig
-from router.errors import DeadlineExceeded, InputError, ModelNotFound, ModelUnavailable, RouterError, brief, outcome_of
+from router.errors import DeadlineExceeded, InputError, ModelNotFound, ModelUnavailable, brief
 from router.sdk.plugin import Payload
 from router.serving.editor import ReloadReport
-from router.serving.inflight import InFlight
+from router.serving.inflight import InFlight, screening
 from router.serving.plan import PipelinePlan, plan_pipeline
 from router.serving.residency_executor import UnloadReport
-from router.serving.rules import ModelFigures, Refusal, Terms, admit
+from router.serving.rules import ModelFigures, Refusal, Screened, Terms, screen
 from router.serving.runtime import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
 from router.serving.telemetry import Telemetry, TelemetryFanout
@@ -170,18 +170,16 @@ class ClusterRuntime:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def precheck(self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
-                 received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> None:
+    def screen(self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
+               received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> Screened:
         """Refuse what no replica could take, from the name and headers: unknown model, bad
-        header, shutting down, no replica for the model, more items than its queue holds."""
+        header, shutting down, no replica for the model, more items than its queue holds. The
+        replica that takes the request commits it."""
         config = self._config(model)
         now = self.clock()
-        try:
-            admit(Terms(model, now if received_at is None else received_at, priority, timeout_ms, items),
-                  self._figures(model, config), now)
-        except RouterError as exc:
-            self._count(model, outcome_of(exc), received_at or now)
-            raise
+        with screening(lambda outcome: self._count(model, outcome, received_at or now)):
+            return screen(Terms(model, now if received_at is None else received_at, priority, timeout_ms, items),
+                          self._figures(model, config), now)
 
     def _figures(self, model: str, config: ModelConfig) -> ModelFigures:
         """The model as the request rules see it from here: the replicas keep the queues and decide
@@ -202,16 +200,20 @@ class ClusterRuntime:
 
     async def submit(self, model: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
                      request_id: str | None = None, received_at: float | None = None,
-                     trace: Phases | None = None, wait_for_room: bool = False, must_finish: bool = False) -> Answer:
+                     trace: Phases | None = None, wait_for_room: bool = False, must_finish: bool = False,
+                     screened: Screened | None = None) -> Answer:
         """With `trace`, the whole stay on a replica (its queue, batch and hooks) is one phase, "replica".
-        `wait_for_room` and `must_finish` (a pipeline's later steps) go to the replica with the input."""
+        `screened`: the request's screen (`screen`), not run again; without it the request is
+        screened here first. `wait_for_room` and `must_finish` (a pipeline's later steps) go to the
+        replica with the input."""
         config = self._config(model)
         started = self.clock() if received_at is None else min(received_at, self.clock())
         with self._inflight.request(lambda outcome: self._count(model, outcome, started)):
-            terms = Terms(model, started, priority, timeout_ms, must_finish=must_finish)
-            admission = admit(terms, self._figures(model, config), self.clock())
+            if screened is None:
+                terms = Terms(model, started, priority, timeout_ms, must_finish=must_finish)
+                screened = screen(terms, self._figures(model, config), self.clock())
             how = {"wait_for_room": wait_for_room, "must_finish": must_finish}
-            work = self._route(model, config, payload, priority, request_id or uuid.uuid4().hex, admission.deadline, how)
+            work = self._route(model, config, payload, priority, request_id or uuid.uuid4().hex, screened.deadline, how)
             return await (work if trace is None else within_phase(trace, "replica", self.clock, work))
 
     async def _route(self, model: str, config: ModelConfig, payload: Payload, priority: int | None, request_id: str,

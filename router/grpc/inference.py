@@ -1,6 +1,6 @@
 """ModelInfer and ModelStreamInfer: a request (or one frame of a stream) through the same path as
-V2 over HTTP: the model's precheck, the decode (off the event loop), the whole request checked
-against the queue, every item submitted at once (`router.inference_protocol.submission`).
+V2 over HTTP: the decode (off the event loop), the whole request screened against the queue once,
+every item submitted at once with that screen (`router.inference_protocol.submission`).
 
 A stream's frames are each admitted, batched and bounded like a unary request; they enter the
 model's queue in the order they were sent (their decoding overlaps only with earlier frames' model
@@ -87,7 +87,6 @@ class Inference:
         if trace is not None:
             trace.enter("receive", call.received_at)
         target = find_target(self.runtime, self.pipelines, name, message.model_version)
-        target.entry.precheck(name, received_at=call.received_at)  # draining, not serving, full: before decoding
         regions = self.shared_memory.for_client(shared_memory_caller(self.shared_memory, self.policy, call),
                                                 self.max_message_bytes)
         model = target.model

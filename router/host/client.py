@@ -1,8 +1,9 @@
 """`EngineClient`: the serving façade in a front process (`router.serving.facade.ServingFacade`).
 
 The front's app (native API, KServe V2, /ui, admin) talks to it exactly as to `Runtime`. Behind
-it: refusals from the engine's board with the very rules the engine runs (`precheck`, and again at
-the start of `submit`), `preprocess` and `postprocess` on this process's plugin objects, and one
+it: refusals from the engine's board with the very rules the engine runs (`screen`, once per
+request: where it arrives, or at the start of `submit` for a request that comes unscreened; the
+engine commits it), `preprocess` and `postprocess` on this process's plugin objects, and one
 `Submit` and one `Reply` per request over the engine's socket. Snapshots are the engine's latest,
 with the request counts of every front. The engine gone, not yet synced, or silent past
 `engine_stale_s` (`router.host.heartbeat`): every open request and every new one is answered 503
@@ -28,43 +29,27 @@ from router.errors import (
     ModelChanged,
     ModelError,
     ModelNotFound,
-    RouterError,
     ShuttingDown,
     brief,
-    outcome_of,
 )
 from router.host.arena import Arena
 from router.host.board import BoardReader
 from router.host.exchange import GRACE_S, Exchanges, engine_gone
 from router.host.front_models import FrontHookFailed, FrontModel, FrontModels, front_hook
 from router.host.heartbeat import HEARTBEAT_EVERY_S, Heartbeat
-from router.host.messages import BatchFacts as BatchFactsMessage
-from router.host.messages import (
-    CallReply,
-    Lags,
-    Models,
-    Packed,
-    PayloadRef,
-    Reply,
-    Snapshot,
-    Submit,
-    span_bytes,
-    span_ref,
-)
-from router.host.messages import Terms as TermsMessage
+from router.host.messages import CallReply, Lags, Models, Packed, PayloadRef, Reply, Snapshot, Submit
 from router.host.packing import Packer, unpack
 from router.host.stream import EngineStream, handshake
 from router.host.verbs import call_args, decode_result, pipeline_from_wire
 from router.logs import new_request_id
-from router.scheduling.queue import BatchFacts
 from router.sdk.plugin import Payload
 from router.serving.checks import check_answer, check_media_type
 from router.serving.editor import ReloadReport
-from router.serving.inflight import InFlight
+from router.serving.inflight import InFlight, screening
 from router.serving.phases import trace_execution
 from router.serving.plan import PipelinePlan
 from router.serving.residency_executor import UnloadReport
-from router.serving.rules import Terms, admit, budget_s
+from router.serving.rules import Screened, Terms, screen
 from router.serving.runtime import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
 from router.serving.telemetry import Telemetry, TelemetryFanout
@@ -268,33 +253,34 @@ class EngineClient:
             raise self._not_found(name)
         return model
 
-    def _screen(self, model: FrontModel, terms: Terms, *, wait_for_room: bool = False) -> float:
-        """The engine's rules on the board's figures, taking nothing: refusals without a round trip.
-        Returns the request's deadline. A request that waits for room is left to the engine (it
-        waits there, where the room is freed)."""
-        board = self._board
-        if board is None or self._stream is None:
+    def _open(self) -> None:
+        """Refuse every request while the engine is gone or this front drains."""
+        if self._board is None or self._stream is None:
             raise engine_gone()
         if self._draining:
             raise ShuttingDown("server is shutting down; retry on another replica", retry_after_s=5.0)
-        read = board.figures(model.entry.slot, model.name)
+
+    def _screen(self, model: FrontModel, terms: Terms) -> Screened:
+        """The engine's rules on the board's figures, taking nothing: refusals without a round trip.
+        A model not on the board yet is left to the engine (the deadline from its entry)."""
+        self._open()
+        assert self._board is not None
+        read = self._board.figures(model.entry.slot, model.name)
         if read is not None:
-            figures = read[1]
-            if wait_for_room:
-                return min(terms.received_at, self.clock()) + budget_s(figures, terms.timeout_ms)
-            return admit(terms, figures, self.clock(), pending=self._preparing[model.name]).deadline
-        limit = model.entry.queue_timeout_ms  # not on the board yet: the engine decides
+            return screen(terms, read[1], self.clock(), pending=self._preparing[model.name])
+        return Screened(terms, self._deadline(model, terms))
+
+    def _deadline(self, model: FrontModel, terms: Terms) -> float:
+        """The request's deadline from its model's queue timeout (or its own, if shorter)."""
+        limit = model.entry.queue_timeout_ms
         return terms.received_at + (min(terms.timeout_ms, limit) if terms.timeout_ms else limit) / 1000
 
-    def precheck(self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
-                 received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> None:
+    def screen(self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
+               received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> Screened:
         now = self.clock()
         started = now if received_at is None else min(received_at, now)
-        try:
-            self._screen(self._model(model), Terms(model, started, priority, timeout_ms, items))
-        except RouterError as exc:
-            self._count(model, outcome_of(exc), started)
-            raise
+        with screening(lambda outcome: self._count(model, outcome, started)):
+            return self._screen(self._model(model), Terms(model, started, priority, timeout_ms, items))
 
     def _count(self, model: str, outcome: str, started: float) -> None:
         self.telemetry.observe_request(model, outcome, self.clock() - started)
@@ -302,39 +288,46 @@ class EngineClient:
     async def submit(self, model: str, payload: Payload, *, priority: int | None = None,
                      timeout_ms: float | None = None, request_id: str | None = None,
                      received_at: float | None = None, trace: Phases | None = None,
-                     wait_for_room: bool = False, must_finish: bool = False) -> Answer:
+                     wait_for_room: bool = False, must_finish: bool = False,
+                     screened: Screened | None = None) -> Answer:
         """With `trace` (a sampled request's), its phases here (admission, preprocess, queue wait,
         execute from the engine's batch facts, linked to the engine's batch span, postprocess).
-        `wait_for_room` and `must_finish` (a pipeline's later steps, `Runtime.submit`) go to the
-        engine with the request; such a request is not refused here for a full queue."""
+        `screened`: the request's screen (`screen`), not run again; without it the request is
+        screened here first. `wait_for_room` and `must_finish` (a pipeline's later steps,
+        `Runtime.submit`) go to the engine with the request; such a request is not screened here
+        (it waits for room in the engine, where the room is freed)."""
         front = self._model(model)
         request_id = request_id or new_request_id()
         started = self.clock() if received_at is None else min(received_at, self.clock())
-        terms = Terms(model, started, priority, timeout_ms, must_finish=must_finish)
+        terms = Terms(model, started, priority, timeout_ms, must_finish=must_finish, wait_for_room=wait_for_room)
         with self._inflight.request(lambda outcome: self._count(model, outcome, started)):
-            work = self._submit(front, terms, payload, request_id, trace, wait_for_room)
+            work = self._submit(front, terms, payload, request_id, trace, screened)
             answer, deadline = await (work if trace is None else within_phase(trace, "admission", self.clock, work))
             self.telemetry.observe_answer(model, self.clock() - started, deadline - started)
             return answer
 
     async def _submit(self, front: FrontModel, terms: Terms, payload: Payload, request_id: str,
-                      trace: Phases | None, wait_for_room: bool = False) -> tuple[Answer, float]:
-        deadline = self._screen(front, terms, wait_for_room=wait_for_room)
+                      trace: Phases | None, screened: Screened | None) -> tuple[Answer, float]:
+        self._open()
+        if terms.wait_for_room:  # the engine decides, where the room is freed
+            deadline = self._deadline(front, terms)
+        else:
+            deadline = (screened or self._screen(front, terms)).deadline
         if front.accepts:  # else the engine, which has the plugin, checks
             check_media_type(front.name, front.accepts, payload)
         if front.prepares_here:
             try:
-                return await self._prepared(front, terms, deadline, payload, request_id, trace, wait_for_room), deadline
+                return await self._prepared(front, terms, deadline, payload, request_id, trace), deadline
             except ModelChanged:  # a new version serves: prepared again, in the engine
                 pass
             except FrontHookFailed as failed:  # prepared again in the engine: if that works, from now on
-                answer = await self._whole(front, terms, deadline, payload, request_id, trace, wait_for_room)
+                answer = await self._whole(front, terms, deadline, payload, request_id, trace)
                 self._fleet.serve_from_engine(front, failed.hook, failed.error)
                 return answer, deadline
-        return await self._whole(front, terms, deadline, payload, request_id, trace, wait_for_room), deadline
+        return await self._whole(front, terms, deadline, payload, request_id, trace), deadline
 
     async def _prepared(self, front: FrontModel, terms: Terms, deadline: float, payload: Payload,
-                        request_id: str, trace: Phases | None, wait_for_room: bool = False) -> Answer:
+                        request_id: str, trace: Phases | None) -> Answer:
         """Preprocess here, the batch in the engine, postprocess here."""
         plugin, name = front.plugin, front.name
         assert plugin is not None
@@ -348,10 +341,10 @@ class EngineClient:
         finally:
             self._preparing[name] -= 1
         reply, queued_at = await self._exchange(front, terms, deadline, request_id, len(payload.body), trace,
-                                                item=packed, wait_for_room=wait_for_room)
+                                                item=packed)
         assert reply.output is not None and reply.facts is not None
         if trace is not None:
-            trace_execution(trace, batch_facts(reply.facts), self.clock())
+            trace_execution(trace, reply.facts, self.clock())
         try:
             output = unpack(reply.output, self._answers)
             result = await front_hook(self.hooks.run(name, front.entry.plugin, plugin, "postprocess", output, item,
@@ -373,7 +366,7 @@ class EngineClient:
                       plugin.describe_input(payload, item))
 
     async def _whole(self, front: FrontModel, terms: Terms, deadline: float, payload: Payload,
-                     request_id: str, trace: Phases | None, wait_for_room: bool = False) -> Answer:
+                     request_id: str, trace: Phases | None) -> Answer:
         """Hooks in the engine: the raw body (and a pipeline's decoded pixels) there, the final answer back."""
         body, packing = self._packer.pack(payload.body)
         offsets = list(packing.offsets)
@@ -383,7 +376,7 @@ class EngineClient:
             offsets += pixel_packing.offsets
         ref = PayloadRef(payload.media_type, payload.filename, body, pixels)
         reply, _ = await self._exchange(front, terms, deadline, request_id, len(payload.body), trace, payload=ref,
-                                        offsets=offsets, wait_for_room=wait_for_room)
+                                        offsets=offsets)
         assert reply.answer is not None and reply.facts is not None
         facts = reply.facts
         wait = facts.queue_wait_s  # the engine's, as it measured it (it ran the hooks around it)
@@ -402,15 +395,12 @@ class EngineClient:
 
     async def _exchange(self, front: FrontModel, terms: Terms, deadline: float, request_id: str, input_bytes: int,
                         trace: Phases | None, *, item: tuple[Packed, list[int]] | None = None,
-                        payload: PayloadRef | None = None, offsets: list[int] | None = None,
-                        wait_for_room: bool = False) -> tuple[Reply, float]:
+                        payload: PayloadRef | None = None,
+                        offsets: list[int] | None = None) -> tuple[Reply, float]:
         """One Submit, its one Reply (`Exchanges.submit`), and when it was handed to the engine."""
         exchanges = self._exchanges
-        submit = Submit(exchanges.number(), TermsMessage(terms.model, terms.received_at, terms.priority,
-                                                         terms.timeout_ms, terms.items, terms.must_finish,
-                                                         wait_for_room),
-                        request_id, front.entry.generation, input_bytes, item[0] if item else None, payload,
-                        span_bytes(trace.ref) if trace is not None else None)
+        submit = Submit(exchanges.number(), terms, request_id, front.entry.generation, input_bytes,
+                        item[0] if item else None, payload, trace.ref.to_bytes() if trace is not None else None)
         work = exchanges.submit(submit, item[1] if item else offsets or [], deadline,
                                 front.entry.execution_timeout_ms / 1000 + GRACE_S)
         queued_at = self.clock()
@@ -498,12 +488,6 @@ class EngineClient:
             await self._inflight.until_idle(5.0)
         except TimeoutError:
             log.error("%d request(s) still in flight after drain", self._inflight.count)
-
-
-def batch_facts(facts: BatchFactsMessage) -> BatchFacts:
-    """The engine's word on the batch a request rode, as the request path reads it."""
-    return BatchFacts(facts.size, facts.dispatched_at, facts.execution_s, facts.finished_at, facts.memory_delta_bytes,
-                      span_ref(facts.batch_trace))
 
 
 def _with_requests(info: ModelInfo, counts: Mapping[str, int] | None) -> ModelInfo:

@@ -1,11 +1,11 @@
 """The engine process's server: requests from the fronts onto the runtime's queues, answers back.
 
-Each front's `Submit` is decided again here (`Intake.admit`: the same rules the front ran on the
-board, on live figures, taking the queue slot and the hold), queued with a `TicketReply` as its
-ticket's future, and answered with exactly one `Reply` whatever happens: served, refused, expired,
-withdrawn, the front gone (then the answer is dropped). A model that is not serving makes its
-request wait for its load in a task; hooks that run in the engine (`preprocess_needs_model`, or a
-front with no front state yet) go through `Runtime.submit` whole.
+Each front's `Submit` is committed here (`Turn.admit`: the same rules the front screened it with
+on the board, on live figures, taking the queue slot and the hold), queued with its ticket's
+outcome going to `EngineServer.answered`, and answered with exactly one `Reply` whatever happens:
+served, refused, expired, withdrawn, the front gone (then the answer is dropped). A model that is
+not serving makes its request wait for its load in a task; hooks that run in the engine
+(`preprocess_needs_model`, or a front with no front state yet) go through `Runtime.submit` whole.
 
 Beside the request path: the board (figures for the fronts' refusals, every 2 ms while busy), the
 `Models` the fronts build their plugin objects from, the `Snapshot`s they answer `/models` and
@@ -22,21 +22,25 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from router.errors import ClientDisconnected, ModelError, RouterError
 from router.host.board import BOARD_BYTES, BoardWriter
 from router.host.fleet_news import FleetNews
 from router.host.links import FrontLink, Outgoing, Writer, accept_front, read_front
-from router.host.messages import BatchFacts, Call, Cancel, Failure, Lags, Submit, span_bytes, span_ref
+from router.host.messages import Call, Cancel, Failure, Lags, Submit
 from router.host.packing import unpack
 from router.host.verbs import run_call
-from router.scheduling.queue import Ticket, reject
+from router.scheduling.queue import BatchFacts, Outcome, Served, Ticket, reject
 from router.sdk.plugin import Payload
 from router.serving.intake import Accepted, Turn
 from router.serving.rules import Terms
 from router.serving.runtime import Runtime, expired
+from router.tracing.api import SpanRef
 
 __all__ = ["EngineServer"]
 
@@ -55,31 +59,6 @@ class Pending:
     ticket: Ticket | None = None
     task: asyncio.Task[None] | None = None
     engine_hooks: bool = False
-
-
-class TicketReply:
-    """What a front's ticket resolves (it stands for the asyncio future of one process): the
-    answer goes to the front's outbox."""
-
-    __slots__ = ("_done", "pending", "server")
-
-    def __init__(self, server: EngineServer, pending: Pending) -> None:
-        self.server, self.pending, self._done = server, pending, False
-
-    def done(self) -> bool:
-        return self._done
-
-    def set_result(self, output: Any) -> None:
-        self._done = True
-        self.server.served(self.pending, output)
-
-    def set_exception(self, error: BaseException) -> None:
-        self._done = True
-        self.server.failed(self.pending, error)
-
-    def cancel(self) -> bool:
-        self._done = True
-        return True
 
 
 class EngineServer:
@@ -202,13 +181,12 @@ class EngineServer:
     def _submit(self, link: FrontLink, submit: Submit, item: Any, turn: Turn) -> None:
         pending = Pending(link, submit.id)
         link.requests[submit.id] = pending
-        sent = submit.terms
-        terms = Terms(sent.model, sent.received_at, sent.priority, sent.timeout_ms, sent.items, sent.must_finish)
+        terms = submit.terms
         if submit.payload is not None:
             pending.engine_hooks = True
             pending.task = self._spawn(self._whole(pending, submit), f"request-{submit.request_id}")
             return
-        if sent.wait_for_room:  # a pipeline's later step: waits here for room in a full queue
+        if terms.wait_for_room:  # a pipeline's later step: waits here for room in a full queue
             pending.task = self._spawn(self._after_room(pending, submit, item, terms), f"room-{submit.request_id}")
             return
         try:
@@ -224,8 +202,9 @@ class EngineServer:
     def _enqueue(self, pending: Pending, submit: Submit, item: Any) -> None:
         assert pending.accepted is not None
         try:
-            pending.ticket = self.runtime.intake.enqueue(pending.accepted, item, TicketReply(self, pending),
-                                                         submit.request_id, submit.input_bytes, span_ref(submit.trace))
+            pending.ticket = self.runtime.intake.enqueue(pending.accepted, item, partial(self.answered, pending),
+                                                         submit.request_id, submit.input_bytes,
+                                                         None if submit.trace is None else SpanRef.from_bytes(submit.trace))
         except RouterError as exc:
             self.runtime.intake.unreserve(pending.accepted)
             self.failed(pending, exc)
@@ -277,7 +256,8 @@ class EngineServer:
         except asyncio.CancelledError:
             self.failed(pending, ClientDisconnected("cancelled"))
             return
-        facts = BatchFacts(answer.batch_size, 0.0, answer.execution_s, answer.memory_delta_bytes, answer.queue_wait_s)
+        facts = BatchFacts(answer.batch_size, 0.0, answer.execution_s, memory_delta_bytes=answer.memory_delta_bytes,
+                           queue_wait_s=answer.queue_wait_s)
         self._answer(pending, Outgoing(submit.id, answer=self.news.encode(answer.output),
                                        input_info=self.news.encode(answer.input_info), facts=facts))
 
@@ -290,17 +270,18 @@ class EngineServer:
                 self.runtime.intake.withdraw(pending.accepted, pending.ticket):
             reject(pending.ticket, error)
 
-    def served(self, pending: Pending, output: Any) -> None:
-        """A batch answered the request: the output goes to the front, which postprocesses it with
+    def answered(self, pending: Pending, outcome: Outcome) -> None:
+        """The ticket's outcome. Served: the output goes to the front, which postprocesses it with
         its own plugin object, so the instance's use ends here."""
-        ticket = pending.ticket
-        assert ticket is not None and ticket.batch is not None
-        batch = ticket.batch
-        if batch.instance is not None:
-            batch.instance.end_use()
-        facts = BatchFacts(batch.size, batch.dispatched_at, batch.execution_s, batch.memory_delta_bytes,
-                           batch.dispatched_at - ticket.arrived_at, batch.finished_at, span_bytes(batch.batch_trace))
-        self._answer(pending, Outgoing(pending.id, output=output, facts=facts, packs=True))
+        if not isinstance(outcome, Served):
+            self.failed(pending, outcome.error)
+            return
+        if outcome.lease is not None:
+            outcome.lease.end()
+        ticket, batch = pending.ticket, outcome.batch
+        assert ticket is not None
+        facts = msgspec.structs.replace(batch, queue_wait_s=batch.dispatched_at - ticket.arrived_at)
+        self._answer(pending, Outgoing(pending.id, output=outcome.output, facts=facts, packs=True))
 
     def failed(self, pending: Pending, error: BaseException) -> None:
         if not isinstance(error, RouterError):

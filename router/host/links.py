@@ -23,7 +23,6 @@ import msgspec
 
 from router.host.arena import Arena
 from router.host.messages import (
-    BatchFacts,
     Failure,
     Frames,
     FrontMessage,
@@ -35,6 +34,7 @@ from router.host.messages import (
     encode_frame,
 )
 from router.host.packing import Packer, unpack
+from router.scheduling.queue import BatchFacts
 
 __all__ = ["ANSWER_ARENA_BYTES", "FrontLink", "Outgoing", "Writer", "accept_front"]
 

@@ -1,6 +1,8 @@
 """The messages between a front process and the engine process: frozen msgspec structs, tagged,
 encoded as MessagePack, framed with a 4-byte length. Arrays never travel in them; a `Packed`
-value names its arrays' places in a shared-memory arena (`router.host.packing`).
+value names its arrays' places in a shared-memory arena (`router.host.packing`). The values both
+sides read, a request's `Terms` and the `BatchFacts` of the batch it rode, are the request path's
+own (`router.serving.rules`, `router.scheduling.queue`), declared once, beside the code that makes them.
 
 See docs/architecture-processes.md for when each is sent.
 """
@@ -13,12 +15,13 @@ from typing import Any
 import msgspec
 
 from router.errors import RouterError, error_named
-from router.tracing.api import SpanRef
+from router.scheduling.queue import BatchFacts
+from router.serving.rules import Terms
 
 __all__ = [
-    "BatchFacts", "Call", "CallReply", "Cancel", "EngineMessage", "Failure", "Frames", "FrontMessage",
-    "Hello", "Lags", "ModelEntry", "Models", "Packed", "PayloadRef", "Release", "Reply", "Snapshot", "Submit",
-    "Terms", "Welcome", "encode_frame", "span_bytes", "span_ref",
+    "Call", "CallReply", "Cancel", "EngineMessage", "Failure", "Frames", "FrontMessage", "Hello", "Lags",
+    "ModelEntry", "Models", "Packed", "PayloadRef", "Release", "Reply", "Snapshot", "Submit", "Welcome",
+    "encode_frame",
 ]
 
 HEADER = struct.Struct("<I")
@@ -37,18 +40,6 @@ class Packed(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
     skeleton: bytes
     regions: tuple[tuple[int, int], ...] = ()
-
-
-class Terms(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """A request as its headers put it (`router.serving.rules.Terms`)."""
-
-    model: str
-    received_at: float
-    priority: int | None = None
-    timeout_ms: float | None = None
-    items: int = 1
-    must_finish: bool = False  # a pipeline's later step (`router.serving.rules.Terms.must_finish`)
-    wait_for_room: bool = False  # ... which waits for room in a full queue instead of a 503
 
 
 class PayloadRef(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -74,27 +65,6 @@ class Failure(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
     def error(self) -> RouterError:
         return error_named(self.kind, self.detail, headers=self.headers, retry_after_s=self.retry_after_s)
-
-
-class BatchFacts(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """The batch a request rode (`router.scheduling.queue.BatchFacts`, less the instance)."""
-
-    size: int
-    dispatched_at: float  # 0.0 for an answer whose hooks ran in the engine (`queue_wait_s` says the wait)
-    execution_s: float
-    memory_delta_bytes: int | None = None
-    queue_wait_s: float = 0.0  # the engine's: from queueing the ticket to its batch's dispatch
-    finished_at: float = 0.0
-    batch_trace: bytes | None = None  # the batch span's `SpanRef` (`span_bytes`)
-
-
-def span_bytes(ref: SpanRef | None) -> bytes | None:
-    """A span's identity in 24 bytes (W3C trace and span ids), for a message."""
-    return None if ref is None else ref.trace_id.to_bytes(16, "big") + ref.span_id.to_bytes(8, "big")
-
-
-def span_ref(data: bytes | None) -> SpanRef | None:
-    return None if data is None else SpanRef(int.from_bytes(data[:16], "big"), int.from_bytes(data[16:24], "big"))
 
 
 class ModelEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
@@ -130,7 +100,7 @@ class Submit(_Message):
     input_bytes: int
     item: Packed | None = None
     payload: PayloadRef | None = None
-    trace: bytes | None = None  # the sampled request's span (`span_bytes`), which its batch span links to
+    trace: bytes | None = None  # the sampled request's span (`SpanRef.to_bytes`), which its batch span links to
 
 
 class Cancel(_Message):

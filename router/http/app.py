@@ -29,8 +29,8 @@ from router.http.kserve.routes import v2_error_response, v2_router
 from router.http.memory import BodyMemory
 from router.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.http.metrics import RouterMetrics
-from router.http.pipelines import PIPELINE_ROUTES, precheck_pipeline, predict_pipeline
-from router.http.protocol import ANSWERED, PRECHECKED
+from router.http.pipelines import PIPELINE_ROUTES, predict_pipeline
+from router.http.protocol import ANSWERED, SCREENED
 from router.http.request_state import TRACE, mark_received, note_error, pipelines_of, received_at, request_phases, runtime_of
 from router.http.ui import ui_router
 from router.inference_protocol.shared_memory import SharedMemoryRegistry
@@ -109,23 +109,28 @@ async def predict(name: FromPath[str], request: Request[Any, Any, Any]) -> Respo
     trace = request_phases(request.scope, "receive")
     priority = priority_header(request.headers.get("x-priority"))
     timeout_ms = number_header("X-Timeout-Ms", request.headers.get("x-timeout-ms"))
-    # 404, 503 and header errors before the body is read: under a surge a refusal costs little.
-    # Served by `model-router serve`, the connection has run these checks already (router.http.early).
+    # The screen: 404, 503 and header errors before the body is read, so that under a surge a
+    # refusal costs little. Served by `model-router serve`, the connection has screened the request
+    # already (router.http.early), and its `Screened` goes on with the request to the commit.
+    screened = request.scope["state"].get(SCREENED)
     if pipelines.serves(name):
-        precheck_pipeline(name, request, pipelines, priority, timeout_ms,
-                          announced_length(request.headers.get("content-length")))
-        return await predict_pipeline(name, request, await _payload(request), pipelines, priority, timeout_ms, trace)
-    if not request.scope["state"].get(PRECHECKED):
+        if screened is None:
+            screened = pipelines.screen(name, priority=priority, timeout_ms=timeout_ms, received_at=received_at(request),
+                                        body_bytes=announced_length(request.headers.get("content-length")))
+        return await predict_pipeline(name, request, await _payload(request), pipelines, priority, timeout_ms, trace,
+                                      screened)
+    if screened is None:
         try:
-            runtime.precheck(name, priority=priority, timeout_ms=timeout_ms, received_at=received_at(request),
-                             body_bytes=announced_length(request.headers.get("content-length")))
+            screened = runtime.screen(name, priority=priority, timeout_ms=timeout_ms, received_at=received_at(request),
+                                      body_bytes=announced_length(request.headers.get("content-length")))
         except ModelNotFound as exc:  # the name could be a pipeline's: the 404 lists them too
             raise pipelines.not_found(name, exc) from None
     payload = await _payload(request)
     request.scope["state"]["access"] = {"model": name, "input_bytes": len(payload.body)}
     answer = await run_unless_disconnected(
         request.receive, runtime.submit(name, payload, priority=priority, timeout_ms=timeout_ms,
-                                        request_id=request_id_var.get(), received_at=received_at(request), trace=trace)
+                                        request_id=request_id_var.get(), received_at=received_at(request), trace=trace,
+                                        screened=screened)
     )
     if trace is not None:
         trace.enter("respond")  # from the runtime's answer

@@ -5,11 +5,11 @@ Under a surge most requests are refused (503 with Retry-After). Through the app 
 response objects), and on a busy host that CPU comes out of the batches running beside it. The
 connection (`router.http.protocol`) asks `EarlyRefusals` once a request's headers are complete:
 for `POST /models/<name>/predict` it runs the same checks as the predict handler, in the same
-order (key, X-Priority, X-Timeout-Ms, then the runtime's `precheck`, or the pipeline runner's for
-a pipeline's name), and when they refuse it
+order (key, X-Priority, X-Timeout-Ms, then the serving core's `screen`, or the pipeline runner's
+for a pipeline's name), and when they refuse it
 returns the whole response, which the connection writes while it discards the body as it comes.
-A request the checks admit goes on to the app marked as prechecked, so the handler does not check
-it twice. Anything else, or a request whose key is not accepted (the app answers 401/403 in its
+A request the checks admit goes on to the app with its `Screened` (the request's terms, deadline
+and the figures read), which the handler hands on to the commit: the request is screened once. Anything else, or a request whose key is not accepted (the app answers 401/403 in its
 own words), goes on to the app unchanged. With tracing on, a refusal is a server span too, the
 child of the request's `traceparent`, echoed in the answer.
 """
@@ -28,9 +28,10 @@ from router.http.access import access_line
 from router.http.answers import error_body
 from router.http.auth import Access, AccessPolicy
 from router.http.headers import announced_length, incoming_or_new, number_header, priority_header
-from router.http.protocol import PASSED, EarlyAnswer, Passed
+from router.http.protocol import EarlyAnswer
 from router.pipelines import PipelineRunner
 from router.serving.facade import ServingFacade
+from router.serving.rules import Screened
 from router.tracing.api import Tracing
 
 __all__ = ["EarlyRefusals"]
@@ -45,7 +46,7 @@ ROUTE = "/models/{name}/predict"
 
 
 class EarlyRefusals:
-    """The connection's screen: `(method, url, headers) -> EarlyAnswer | PASSED | None`."""
+    """The connection's screen: `(method, url, headers) -> EarlyAnswer | Screened | None`."""
 
     def __init__(self, runtime: ServingFacade, policy: AccessPolicy, tracing: Tracing | None = None,
                  pipelines: PipelineRunner | None = None) -> None:
@@ -54,7 +55,7 @@ class EarlyRefusals:
         self.tracing = tracing
         self.pipelines = pipelines
 
-    def __call__(self, method: bytes, url: bytes, headers: Sequence[tuple[bytes, bytes]]) -> EarlyAnswer | Passed | None:
+    def __call__(self, method: bytes, url: bytes, headers: Sequence[tuple[bytes, bytes]]) -> EarlyAnswer | Screened | None:
         if method != b"POST":
             return None
         match = PREDICT.match(url)
@@ -74,9 +75,9 @@ class EarlyRefusals:
                 return None
         model = match.group(1).decode("ascii")
         pipelines = self.pipelines
-        precheck = pipelines.precheck if pipelines is not None and pipelines.serves(model) else self.runtime.precheck
+        screen = pipelines.screen if pipelines is not None and pipelines.serves(model) else self.runtime.screen
         try:
-            precheck(
+            return screen(
                 model, priority=priority_header(fields.get(b"x-priority")),
                 timeout_ms=number_header("X-Timeout-Ms", fields.get(b"x-timeout-ms")),
                 received_at=started, body_bytes=announced_length(fields.get(b"content-length")),
@@ -86,7 +87,6 @@ class EarlyRefusals:
             return self._refusal(error, url.decode("ascii"), started, fields.get(b"x-request-id"), headers)
         except RouterError as exc:
             return self._refusal(exc, url.decode("ascii"), started, fields.get(b"x-request-id"), headers)
-        return PASSED  # the predict handler skips its own precheck: one per request
 
     def _refusal(self, exc: RouterError, path: str, started: float, incoming_id: str | None,
                  request_headers: Sequence[tuple[bytes, bytes]]) -> EarlyAnswer:

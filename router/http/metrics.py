@@ -20,6 +20,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from router.errors import EngineUnavailable
+from router.serving.rules import EVALUATIONS
 
 if TYPE_CHECKING:
     from router.serving.facade import ServingFacade
@@ -92,7 +93,14 @@ class RouterMetrics:
             "model_router_shared_memory_inline", "Large buffers that crossed between processes inside a message "
             "because the shared-memory arena was full, by direction.", ["direction"], registry=registry,
         )
+        self.rule_evaluations = Counter(
+            "model_router_rule_evaluations", "Runs of the request rules in this process, by step: screen (where a "
+            "request arrives, before its body is read) and commit (where it takes its queue slot); each request is "
+            "screened at most once and committed once per item.", ["step"], registry=registry,
+        )
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        steps = {step: self.rule_evaluations.labels(step) for step in ("screen", "commit")}
+        EVALUATIONS.sink = lambda step: steps[step].inc()  # this process's rules, counted where they run
         self._pipeline_metrics(registry)
         ProcessCollector(registry=self.registry)  # this process's process_cpu_seconds_total, resident memory, ...
         self.registry.register(_HostCollector())

@@ -17,11 +17,11 @@ from litestar.params import FromPath
 from router.errors import ConfigError, InputError
 from router.http.admin import ADMIN, fleet_section
 from router.http.disconnect import run_unless_disconnected
-from router.http.protocol import PRECHECKED
 from router.http.request_state import pipelines_of, received_at, runtime_of
 from router.logs import request_id_var
 from router.pipelines import PipelineRunner
 from router.sdk.plugin import Payload
+from router.serving.rules import Screened
 from router.tracing.api import Phases
 
 __all__ = ["PIPELINE_ROUTES", "predict_pipeline"]
@@ -29,28 +29,22 @@ __all__ = ["PIPELINE_ROUTES", "predict_pipeline"]
 
 async def predict_pipeline(name: str, request: Request[Any, Any, Any], payload: Payload, runner: PipelineRunner,
                            priority: int | None, timeout_ms: float | None,
-                           trace: Phases | None = None) -> Response[dict[str, Any]]:
+                           trace: Phases | None = None, screened: Screened | None = None) -> Response[dict[str, Any]]:
     """The predict route's answer for a pipeline: the first model's answer with each item's
-    downstream answers attached, and per-step timing. `trace`: the request's path of phases."""
+    downstream answers attached, and per-step timing. `trace`: the request's path of phases;
+    `screened`: the request's screen at the door (`PipelineRunner.screen`)."""
     state = request.scope["state"]
     state["access"] = {"model": name, "pipeline": name, "input_bytes": len(payload.body)}
     answer = await run_unless_disconnected(
         request.receive, runner.run(name, payload, priority=priority, timeout_ms=timeout_ms,
-                                    request_id=request_id_var.get(), received_at=received_at(request), trace=trace))
+                                    request_id=request_id_var.get(), received_at=received_at(request), trace=trace,
+                                    screened=screened))
     if trace is not None:
         trace.enter("respond")  # from the pipeline's answer
     state["access"].update(items=answer.items, steps={s.key: s.items for s in answer.steps},
                            pipeline_ms=round(answer.seconds * 1000, 3))
     return Response({"pipeline": name, "request_id": answer.request_id, "result": answer.output,
                      "timing": answer.timing()})
-
-
-def precheck_pipeline(name: str, request: Request[Any, Any, Any], runner: PipelineRunner, priority: int | None,
-                      timeout_ms: float | None, body_bytes: int | None) -> None:
-    """The door: what the pipeline's first model refuses from the headers (unless the connection did)."""
-    if not request.scope["state"].get(PRECHECKED):
-        runner.precheck(name, priority=priority, timeout_ms=timeout_ms, received_at=received_at(request),
-                        body_bytes=body_bytes)
 
 
 @get("/pipelines", summary="All pipelines with their steps, state and counters")

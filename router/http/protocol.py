@@ -26,8 +26,10 @@ discards for a short linger, so the client can read the answer before the connec
 
 A `screen` (`router.http.early`) may answer a request from its request line and headers alone:
 the connection writes that `EarlyAnswer`, discards the request's body as it arrives and stays
-open for the next request, and the app never sees the request. Only a request on an idle
-connection is screened, so answers keep the order of pipelined requests.
+open for the next request, and the app never sees the request; or let it through with the value
+it made of it (the serving core's `Screened`), which the app finds in the request's scope state
+under `SCREENED` and carries on with instead of screening the request again. Only a request on an
+idle connection is screened, so answers keep the order of pipelined requests.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import socket
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
@@ -47,7 +49,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from router.http.answers import error_body
 from router.http.connections import OpenConnections
 
-__all__ = ["ANSWERED", "PASSED", "PRECHECKED", "EarlyAnswer", "HttpLimits", "Passed", "Screen", "guarded_protocol"]
+__all__ = ["ANSWERED", "SCREENED", "EarlyAnswer", "HttpLimits", "Screen", "guarded_protocol"]
 
 log = logging.getLogger("router.access")
 LINGER_S = 2.0
@@ -79,16 +81,14 @@ class EarlyAnswer:
     body: bytes
 
 
-#: A screen's word for a request it checked and let through: the app need not check it again
-#: (the request's scope state then holds `PRECHECKED: True`).
-PASSED: Final = "passed"
-PRECHECKED: Final = "prechecked"
+#: Where the request's scope state holds what the screen made of a request it let through.
+SCREENED: Final = "screened"
 #: The status the connection answered a request with while the app held it (bad framing in its
 #: body): the scope state holds `ANSWERED: status`, for the app's access line.
 ANSWERED: Final = "answered_by_connection"
-Passed = Literal["passed"]
-#: (method, URL as sent, headers with lower-case names) -> the answer, PASSED, or None (not screened).
-Screen = Callable[[bytes, bytes, Sequence[tuple[bytes, bytes]]], EarlyAnswer | Passed | None]
+#: (method, URL as sent, headers with lower-case names) -> the answer; or the value the screen made
+#: of a request it let through (kept in its scope state as `SCREENED`); or None (not screened).
+Screen = Callable[[bytes, bytes, Sequence[tuple[bytes, bytes]]], object]
 _BUSY: Final = EarlyAnswer(503, ((b"retry-after", b"1"), (b"content-type", b"application/json")),
                            b'{"detail":"the server is at its limit of connections and running requests; retry shortly"}')
 
@@ -265,8 +265,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if isinstance(answer, EarlyAnswer):
             self._answer_early(answer, close=busy)
             return
-        if answer == PASSED:
-            self.scope["state"][PRECHECKED] = True
+        if answer is not None:
+            self.scope["state"][SCREENED] = answer
         super().on_headers_complete()
         if self.cycle is not None and self.cycle.waiting_for_100_continue:
             self.cycle.__class__ = _ContinueCycle
@@ -346,7 +346,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     # -- answers before the app --------------------------------------------------------------------
 
-    def _screened(self) -> EarlyAnswer | Passed | None:
+    def _screened(self) -> object:
         """The screen's answer for a request on an idle connection (none pipelined before it)."""
         if self.screen is None or (self.cycle is not None and not self.cycle.response_complete):
             return None

@@ -1,6 +1,8 @@
-"""One decoded V2 request through the serving façade: checked against the model's queue as a whole,
-split into items, every item submitted at once so they share the queue and the batcher. Every
-front that speaks V2 (HTTP, gRPC, a gRPC stream's frames) runs its requests through `run_request`."""
+"""One decoded V2 request through the serving façade: screened against the model's queue as a whole
+(once, with every term the request brings: its items, priority and timeout), split into items,
+every item submitted at once with that screen so they share the queue and the batcher, each
+committed where its queue is. Every front that speaks V2 (HTTP, gRPC, a gRPC stream's frames) runs
+its requests through `run_request`."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from router.inference_protocol.request import InferRequest, RequestedOutput
 from router.logs import new_request_id, request_id_var
 from router.sdk.plugin import Payload
 from router.serving.facade import ServingFacade
+from router.serving.rules import Screened
 from router.serving.runtime import Answer
 from router.serving.snapshots import ModelInfo
 from router.tracing.api import Phases, RequestSpan
@@ -34,16 +37,17 @@ class ItemFailed(Exception):
 @dataclass(frozen=True)
 class Entry:
     """Where a V2 request's items go: a model through the serving façade, or a pipeline through its
-    runner. `precheck(name, ...)` refuses before any item is queued; `submit(name, payload, ...,
-    trace=...)` answers one item with something that has `output`."""
+    runner. `screen(name, ...)` refuses before any item is queued, or gives the request's
+    `Screened`; `submit(name, payload, ..., trace=..., screened=...)` answers one item with
+    something that has `output`."""
 
     name: str
-    precheck: Callable[..., None]
+    screen: Callable[..., Screened]
     submit: Callable[..., Awaitable[Any]]
 
     @classmethod
     def model(cls, runtime: ServingFacade, name: str) -> Entry:
-        return cls(name, runtime.precheck, runtime.submit)
+        return cls(name, runtime.screen, runtime.submit)
 
 
 @dataclass(frozen=True)
@@ -57,17 +61,18 @@ class Ran:
 async def run_request(entry: Entry | ServingFacade, model: ModelInfo, request: InferRequest, *, priority: int | None,
                       timeout_ms: float | None, received_at: float | None,
                       placed: Callable[[], None] | None = None, traces: Sequence[Phases | None] | None = None) -> Ran:
-    """Check the whole request against the queue (before any item is queued), make its payloads
-    (off the event loop), submit them all and wait for every answer. `entry` is where the items go
+    """Screen the whole request against the queue (before any item is queued), make its payloads
+    (off the event loop), submit them all with that screen and wait for every answer. `entry` is where the items go
     (a serving façade: to `model`). `placed` is called once every
     item's submission has started (each takes its place in the queue in its first step); `traces`,
     one per item, records each item's phases."""
     target = entry if isinstance(entry, Entry) else Entry.model(entry, model.name)
-    target.precheck(target.name, priority=priority, timeout_ms=timeout_ms, received_at=received_at, items=request.items)
+    screened = target.screen(target.name, priority=priority, timeout_ms=timeout_ms, received_at=received_at,
+                             items=request.items)
     sig = signature(model.accepts)
     outputs = select_outputs(request, sig)
     payloads = await asyncio.to_thread(to_payloads, request, target.name, sig)
-    tasks = _start(target, payloads, priority, timeout_ms, received_at, traces)
+    tasks = _start(target, payloads, priority, timeout_ms, received_at, traces, screened)
     if placed is not None:
         placed()
     return Ran(outputs, await _answers(tasks))
@@ -93,14 +98,16 @@ async def submit_all(
 
 
 def _start(entry: Entry, payloads: Sequence[Payload], priority: int | None, timeout_ms: float | None,
-           arrived: float | None, traces: Sequence[Phases | None] | None = None) -> list[asyncio.Future[Any]]:
+           arrived: float | None, traces: Sequence[Phases | None] | None = None,
+           screened: Screened | None = None) -> list[asyncio.Future[Any]]:
     base = request_id_var.get() or new_request_id()
     ids = [base] if len(payloads) == 1 else [f"{base}.{i}" for i in range(len(payloads))]
     tasks = []
     for index, (payload, rid) in enumerate(zip(payloads, ids, strict=True)):
         trace = traces[index] if traces else None
         tasks.append(asyncio.ensure_future(entry.submit(entry.name, payload, priority=priority, timeout_ms=timeout_ms,
-                                                        request_id=rid, received_at=arrived, trace=trace)))
+                                                        request_id=rid, received_at=arrived, trace=trace,
+                                                        screened=screened)))
     return tasks
 
 

@@ -15,6 +15,7 @@ from router.inference_protocol.submission import Entry
 from router.sdk.plugin import Payload
 from router.serving.facade import ServingFacade
 from router.serving.plan import PipelinePlan
+from router.serving.rules import Screened
 from router.serving.snapshots import ModelInfo
 from router.tracing.api import Phases
 
@@ -40,11 +41,11 @@ class Pipelines(Protocol):
     def info(self, name: str) -> PipelineState: ...
     def infos(self) -> Sequence[PipelineState]: ...
     def known_model(self, name: str) -> ModelInfo: ...  # 404 listing models and pipelines when it is neither
-    def precheck(self, name: str, *, priority: int | None = None, timeout_ms: float | None = None,
-                 received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> None: ...
+    def screen(self, name: str, *, priority: int | None = None, timeout_ms: float | None = None,
+               received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> Screened: ...
     async def run(self, name: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
                   request_id: str | None = None, received_at: float | None = None,
-                  trace: Phases | None = None) -> Any: ...  # has `output`
+                  trace: Phases | None = None, screened: Screened | None = None) -> Any: ...  # has `output`
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class Target:
 def find_target(runtime: ServingFacade, pipelines: Pipelines, name: str, version: str | None = None) -> Target:
     """What `name` names; 404 for neither a model nor a pipeline (listing both) or a version it lacks."""
     if pipelines.serves(name):
-        target = Target(name, runtime.model(pipelines.plan(name).entry), Entry(name, pipelines.precheck, pipelines.run),
+        target = Target(name, runtime.model(pipelines.plan(name).entry), Entry(name, pipelines.screen, pipelines.run),
                         pipelines)
     else:
         target = Target(name, pipelines.known_model(name), Entry.model(runtime, name))

@@ -13,8 +13,10 @@ Traced (a `trace` path given, as to `submit`), the pipeline is one phase of that
 and each step a stage beside it (`RequestSteps`): every item a model step submits carries its own
 phases under its step's stage, linked to the batch it rode.
 
-It uses only the façade's verbs (`precheck`, `submit`, `model`, `pipeline`), so it runs
-unchanged wherever the façade's implementation puts the queues.
+It uses only the façade's verbs (`screen`, `submit`, `model`, `pipeline`), so it runs
+unchanged wherever the façade's implementation puts the queues. A request is screened once, at the
+door (the first model's screen); its first step is committed with that screen, each later step's
+item committed where its queue is, unscreened (it waits for room instead of being refused).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from router.sdk.images import decode_image
 from router.sdk.plugin import Payload
 from router.sdk.transforms import StepItem, Transform, Transformed
 from router.serving.facade import ServingFacade
+from router.serving.inflight import screening
 from router.serving.plan import PipelinePlan
+from router.serving.rules import Screened
 from router.serving.snapshots import ModelInfo
 from router.serving.transforms import TransformRegistry
 from router.tracing.api import Phases, within_phase
@@ -61,6 +65,7 @@ class _Request:
     steps: RequestSteps = field(default_factory=RequestSteps)
     items: int = 0
     failures: dict[str, RouterError] = field(default_factory=dict)  # by step key: what each failed step answered
+    screened: Screened | None = None  # the door's screen of the first model, for its commit
 
     @property
     def deadline(self) -> float:
@@ -132,30 +137,31 @@ class PipelineRunner:
 
     # -- the request path ------------------------------------------------------------------------
 
-    def precheck(self, name: str, *, priority: int | None = None, timeout_ms: float | None = None,
-                 received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> None:
-        """What the first model would refuse before running anything (`ServingFacade.precheck`)."""
+    def screen(self, name: str, *, priority: int | None = None, timeout_ms: float | None = None,
+               received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> Screened:
+        """What the first model would refuse before running anything (`ServingFacade.screen`): its
+        screen, which `run` takes on to the first step."""
         plan = self.plan(name)
         started = self.clock() if received_at is None else received_at
         try:
-            budget_ms = _budget_ms(plan, timeout_ms)
-            self.facade.precheck(plan.entry, priority=priority, timeout_ms=budget_ms, received_at=received_at,
-                                 items=items, body_bytes=body_bytes)
+            with screening(lambda outcome: self._count(name, outcome, started)):
+                return self.facade.screen(plan.entry, priority=priority, timeout_ms=_budget_ms(plan, timeout_ms),
+                                          received_at=received_at, items=items, body_bytes=body_bytes)
         except RouterError as exc:
-            self._count(name, outcome_of(exc), started)
             raise with_detail(exc, f"pipeline {name!r}: {exc.detail}") from None
 
     async def run(self, name: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
                   request_id: str | None = None, received_at: float | None = None,
-                  trace: Phases | None = None) -> PipelineAnswer:
+                  trace: Phases | None = None, screened: Screened | None = None) -> PipelineAnswer:
         """Run one input through a pipeline. Raises a RouterError whose detail names the step.
-        With `trace`, the run is its "pipeline" phase and each step a stage of it."""
+        With `trace`, the run is its "pipeline" phase and each step a stage of it. `screened`: the
+        request's screen (`screen`), which its first step is committed with."""
         plan = self.plan(name)
         started = self.clock() if received_at is None else min(received_at, self.clock())
         request: _Request | None = None
         try:
             request = _Request(name, request_id or uuid.uuid4().hex, priority, started, _budget_ms(plan, timeout_ms),
-                               RequestSteps(trace))
+                               RequestSteps(trace), screened=screened)
             for index, step in enumerate(plan.config.steps):  # the answer lists every step, run or not
                 request.steps.step(f"{index}:{step.name}", step.kind, step.name)
             work = self._run(request, plan, payload)
@@ -223,7 +229,8 @@ class PipelineRunner:
         try:
             if entry:
                 answer = await self.facade.submit(model, payload, priority=request.priority, timeout_ms=request.budget_ms,
-                                                  request_id=request.request_id, received_at=request.started, trace=trace)
+                                                  request_id=request.request_id, received_at=request.started, trace=trace,
+                                                  screened=request.screened)
             elif left_ms <= 0:
                 raise DeadlineExceeded(f"the deadline passed before model {model!r}; the input was not run")
             else:

@@ -2,6 +2,10 @@
 
 The queue is plain state driven with explicit timestamps; it never sleeps and never touches the
 event loop, so tests drive it with an injected clock.
+
+A ticket is answered once, with an outcome: `Served` (the output, the facts of the batch it rode,
+and the `Lease` that keeps the instance that ran it in use until its caller ends it) or `Refused`
+(the error). Whoever queued the ticket gave it the function its outcome goes to (`Ticket.reply`).
 """
 
 from __future__ import annotations
@@ -12,11 +16,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from router.config import BatchPolicy
 from router.errors import PayloadTooLarge, QueueFull
 from router.tracing.api import SpanRef
 
-__all__ = ["BatchFacts", "BatchResult", "DrainRate", "ModelQueue", "Ticket", "TicketState", "reject", "resolve"]
+__all__ = ["BatchFacts", "BatchResult", "DrainRate", "Lease", "ModelQueue", "Outcome", "Refused", "Served", "Ticket",
+           "TicketState", "answer", "end_lease", "reject"]
 
 
 class TicketState(enum.Enum):
@@ -27,38 +34,109 @@ class TicketState(enum.Enum):
 
 @dataclass(eq=False)
 class Ticket:
-    """One accepted request: its prepared input and the future its answer goes to (the model's
-    output for its item, or the error that answers it). Its `state` is its queue's to write; its
-    `batch` is written once, by the result of the batch it rode (`BatchResult.resolve`)."""
+    """One accepted request: its prepared input and where its outcome goes (`reply`, called once,
+    by `answer`). Its `state` is its queue's to write."""
 
     request_id: str
     item: Any
     priority: int
     arrived_at: float
     deadline: float
-    future: Any = None  # asyncio.Future in the runtime, the engine's reply to a front, anything in pure tests
+    reply: Callable[[Outcome], None] | None = None  # None in pure tests of the queue
     input_bytes: int = 0
     state: TicketState = TicketState.QUEUED
     measure: bool = False  # admitted to measure the model (idle, untimed, half-open): never dropped as doomed
     # Tracing: a value, not a live span, so that it can cross to a process where the batch runs.
     trace: SpanRef | None = None  # the sampled request's span, which its batch span links to
-    batch: BatchFacts | None = None  # the batch it rode, once that batch has answered it
+    answered: bool = False  # or abandoned: nobody reads an outcome of it any more
+
+    def abandon(self) -> None:
+        """Nobody reads this ticket's outcome any more (its caller went away, or its deadline
+        passed while its batch ran): it is not run if it has not begun, and an outcome that comes
+        later only ends its lease."""
+        self.answered = True
 
 
-@dataclass(frozen=True)
-class BatchFacts:
+class Lease:
+    """An answered ticket's use of the instance that ran it (`begin_use`), so that the instance
+    stays loaded while its caller postprocesses the output. `end` is the one place the use ends."""
+
+    __slots__ = ("instance",)
+
+    def __init__(self, instance: Any) -> None:
+        instance.begin_use()
+        self.instance: Any = instance
+
+    def end(self) -> None:
+        """End the use (once: a second call does nothing)."""
+        instance, self.instance = self.instance, None
+        if instance is not None:
+            instance.end_use()
+
+
+class BatchFacts(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """The batch a ticket rode: its size, when it was dispatched and ended, how long it ran, the
-    device memory used after it minus before (where a probe reads it), its span (tracing), and the
-    instance that ran it (whose plugin postprocesses the answer, and which stays loaded until the
-    caller is done with it: `instance.end_use()`)."""
+    device memory used after it minus before (where a probe reads it), and its span (tracing, as
+    `SpanRef.to_bytes`). A value: the engine of a split host sends it to the front as it is, with
+    `queue_wait_s`, the ticket's wait from queueing to dispatch, filled in (`dispatched_at` 0.0 for
+    an answer whose hooks ran in the engine: `queue_wait_s` says its wait)."""
 
     size: int
     dispatched_at: float
     execution_s: float
-    finished_at: float
+    finished_at: float = 0.0
     memory_delta_bytes: int | None = None
-    batch_trace: SpanRef | None = None
-    instance: Any = None
+    batch_trace: bytes | None = None
+    queue_wait_s: float = 0.0
+
+    @property
+    def link(self) -> SpanRef | None:
+        """The batch span, for a request's execute phase to link to."""
+        return None if self.batch_trace is None else SpanRef.from_bytes(self.batch_trace)
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A ticket's batch answered it: its output, the batch's facts, and the lease on the instance
+    that ran it (None where no instance did), which the reader ends when done with the output."""
+
+    output: Any
+    batch: BatchFacts
+    lease: Lease | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The error that answers a ticket, and the batch it rode if it ran in one."""
+
+    error: BaseException
+    batch: BatchFacts | None = None
+
+
+Outcome = Served | Refused
+
+
+def answer(ticket: Ticket, outcome: Outcome) -> bool:
+    """Answer a ticket with `outcome`, unless it has its answer already (every ticket is answered
+    exactly once: the first outcome stands, and a later one's lease ends here). True if answered now."""
+    if ticket.answered:
+        end_lease(outcome)
+        return False
+    ticket.answered = True
+    if ticket.reply is not None:
+        ticket.reply(outcome)
+    return True
+
+
+def reject(ticket: Ticket, error: BaseException) -> bool:
+    """Answer a ticket with an error, unless it has its answer already."""
+    return answer(ticket, Refused(error))
+
+
+def end_lease(outcome: Outcome) -> None:
+    """The outcome of a ticket nobody reads: its instance's use, if it had one, ends."""
+    if isinstance(outcome, Served) and outcome.lease is not None:
+        outcome.lease.end()
 
 
 @dataclass(frozen=True)
@@ -77,21 +155,15 @@ class BatchResult:
     instance: Any = None  # the instance that ran it: it is in use until each answered caller ends its use
 
     def resolve(self, dispatched_at: float) -> None:
-        """Answer every ticket of the batch, each exactly once; an answered one holds the instance
-        in use (`begin_use`) for its caller's postprocessing."""
-        facts = BatchFacts(self.size, dispatched_at, self.execution_s, self.finished_at, self.memory_delta_bytes,
-                           self.batch_trace, self.instance)
+        """Answer every ticket of the batch, each exactly once; one served holds the instance in
+        use (its `Lease`) for its caller's postprocessing."""
+        trace = None if self.batch_trace is None else self.batch_trace.to_bytes()
+        facts = BatchFacts(self.size, dispatched_at, self.execution_s, self.finished_at, self.memory_delta_bytes, trace)
         for ticket, output in self.outputs:
-            if ticket.future.done():
-                continue
-            ticket.batch = facts
-            if self.instance is not None:
-                self.instance.begin_use()
-            ticket.future.set_result(output)
+            if not ticket.answered:
+                answer(ticket, Served(output, facts, Lease(self.instance) if self.instance is not None else None))
         for ticket, error in self.errors:
-            if not ticket.future.done():
-                ticket.batch = facts
-                ticket.future.set_exception(error)
+            answer(ticket, Refused(error, facts))
 
     @property
     def error(self) -> str | None:
@@ -100,18 +172,6 @@ class BatchResult:
             return None
         error = self.errors[0][1]
         return str(getattr(error, "detail", None) or error)
-
-
-def resolve(ticket: Ticket, result: Any) -> None:
-    """Answer a ticket, unless it already has an answer (every ticket is answered exactly once)."""
-    if not ticket.future.done():
-        ticket.future.set_result(result)
-
-
-def reject(ticket: Ticket, error: BaseException) -> None:
-    """Answer a ticket with an error, unless it already has an answer."""
-    if not ticket.future.done():
-        ticket.future.set_exception(error)
 
 
 @dataclass

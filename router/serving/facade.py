@@ -15,6 +15,7 @@ from router.sdk.plugin import Payload
 from router.serving.editor import ReloadReport
 from router.serving.plan import PipelinePlan
 from router.serving.residency_executor import UnloadReport
+from router.serving.rules import Screened
 from router.serving.runtime import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
 from router.serving.telemetry import Telemetry
@@ -24,7 +25,11 @@ __all__ = ["ServingFacade"]
 
 
 class ServingFacade(Protocol):
-    """The verbs (`submit`, `precheck`, admin changes, lifecycle) and frozen snapshots of a serving core."""
+    """The verbs (`screen`, `submit`, admin changes, lifecycle) and frozen snapshots of a serving core.
+    A request is screened once (`screen`, where it arrives, before its body is read) and committed
+    once (inside `submit`, where its queue is). `submit` is given the screen's `Screened`; a front
+    whose queues are in another process (a split host's, the cluster's) screens in `submit` a
+    request that was given none, and one process commits it whatever it was given."""
 
     @property
     def ready(self) -> bool: ...
@@ -39,12 +44,12 @@ class ServingFacade(Protocol):
     def devices(self) -> list[DeviceInfo]: ...
     def add_telemetry(self, sink: Telemetry) -> None: ...
 
-    def precheck(self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
-                 received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> None: ...
+    def screen(self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
+               received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> Screened: ...
     async def submit(self, model: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
                      request_id: str | None = None, received_at: float | None = None,
                      trace: Phases | None = None, wait_for_room: bool = False,
-                     must_finish: bool = False) -> Answer: ...
+                     must_finish: bool = False, screened: Screened | None = None) -> Answer: ...
 
     async def load_model(self, name: str) -> ModelInfo: ...
     async def unload_model(self, name: str) -> tuple[ModelInfo, list[UnloadReport]]: ...

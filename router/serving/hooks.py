@@ -94,10 +94,18 @@ class HookRunner:
                 work = self._on(self._post if hook == "postprocess" else self._cpu, cost, getattr(plugin, hook), *args)
             if deadline is None:
                 return await work
+            task = asyncio.current_task()
+            cancels = task.cancelling() if task is not None else 0
             try:
-                return await asyncio.wait_for(work, max(0.0, deadline - self._clock()))
+                result = await asyncio.wait_for(work, max(0.0, deadline - self._clock()))
             except TimeoutError:
                 raise DeadlineExceeded(f"deadline passed while {DOING.get(hook, hook)} for model {model!r}") from None
+            if task is not None and task.cancelling() > cancels:
+                # The caller went away as the hook finished: `asyncio.wait_for` (Python 3.11) returns
+                # a result ready when the cancellation comes and drops the cancellation, and the
+                # caller would go on to queue an input nobody waits for.
+                raise asyncio.CancelledError
+            return result
         except RouterError:
             raise
         except Exception as exc:
@@ -144,3 +152,4 @@ def _timed(cost: HookCost, fn: Callable[..., T], *args: Any) -> T:
         return fn(*args)
     finally:
         cost.observe(time.perf_counter() - started)
+

@@ -1,7 +1,8 @@
 """Requests being answered: their count, the outcome each one ends with, and a wait for none.
 
-The single-process runtime and the cluster front both count their requests this way: a drain
-waits until none is in flight, and every request ends with exactly one outcome counted."""
+Every front counts its requests this way: a drain waits until none is in flight, and every
+request ends with exactly one outcome counted, whether its screen refused it (`screening`) or it
+went on to be answered (`InFlight.request`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,17 @@ from contextlib import contextmanager
 
 from router.errors import RouterError, outcome_of
 
-__all__ = ["InFlight"]
+__all__ = ["InFlight", "screening"]
+
+
+@contextmanager
+def screening(ended: Callable[[str], None]) -> Iterator[None]:
+    """A request's screen: a refusal from it is the request's outcome (`ended(outcome)`), raised on."""
+    try:
+        yield
+    except RouterError as exc:
+        ended(outcome_of(exc))
+        raise
 
 
 class InFlight:

@@ -242,9 +242,9 @@ class ModelInstance:
         return await loop.run_in_executor(self._executor, fn, *args)
 
     async def execute(self, tickets: Sequence[Ticket]) -> BatchResult:
-        """Run one batch. Tickets whose future is already done (client gone) are dropped first.
+        """Run one batch. Tickets already answered (withdrawn, their client gone) are dropped first.
         Every ticket that ran has an output or an error in the result."""
-        live = [t for t in tickets if not t.future.done()]
+        live = [t for t in tickets if not t.answered]
         outputs: list[tuple[Ticket, Any]] = []
         errors: list[tuple[Ticket, BaseException]] = []
         started = self._clock()

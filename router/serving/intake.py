@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.errors import ModelChanged, ShuttingDown
-from router.scheduling.queue import Ticket, reject
+from router.scheduling.queue import Outcome, Ticket, reject
 from router.scheduling.scheduler import DeviceScheduler
 from router.serving.deployment import Deployment
 from router.serving.fleet_state import FleetState
-from router.serving.rules import Admission, ModelFigures, Refusal, Terms, admit
+from router.serving.rules import Admission, ModelFigures, Refusal, Screened, Terms, admit, screen
 from router.tracing.api import SpanRef
 
 __all__ = ["SHUTTING_DOWN", "Accepted", "Intake", "Turn"]
@@ -75,13 +75,18 @@ class Intake:
         free = self.free_at(now) if gate else None
         return deployment.figures(now, refusal=refusal, predict=gate, device_free_at=free)
 
-    def check(self, deployment: Deployment, terms: Terms, *, gate: bool = True) -> Admission:
-        """The rules over the model's live figures, taking nothing (a look before the body is read)."""
+    def screen(self, deployment: Deployment, terms: Terms, *, gate: bool = True) -> Screened:
+        """The screen over the model's live figures, taking nothing (a look before the body is read)."""
         now = self._clock()
-        return admit(terms, self.figures(deployment, now, gate=gate), now, gate=gate)
+        return screen(terms, self.figures(deployment, now, gate=gate), now, gate=gate)
+
+    def decide(self, deployment: Deployment, terms: Terms) -> Admission:
+        """The commit's decision over the model's live figures, for `commit` to act on."""
+        now = self._clock()
+        return admit(terms, self.figures(deployment, now), now)
 
     def commit(self, deployment: Deployment, admission: Admission) -> Accepted:
-        """Act on a decision of `check`: take the gate's half-open turn, reserve a queue slot, hold the model."""
+        """Act on a decision of `decide`: take the gate's half-open turn, reserve a queue slot, hold the model."""
         now = self._clock()
         if admission.half_open:
             deployment.gate.take(now)
@@ -101,14 +106,15 @@ class Intake:
                                retry_after_s=1.0)
         return deployment
 
-    def enqueue(self, accepted: Accepted, item: Any, future: Any, request_id: str, input_bytes: int = 0,
-                trace: SpanRef | None = None) -> Ticket:
-        """Queue an admitted request's item (its reserved slot becomes the ticket) and wake the scheduler.
+    def enqueue(self, accepted: Accepted, item: Any, reply: Callable[[Outcome], None], request_id: str,
+                input_bytes: int = 0, trace: SpanRef | None = None) -> Ticket:
+        """Queue an admitted request's item (its reserved slot becomes the ticket, whose outcome goes
+        to `reply`) and wake the scheduler.
         Shutting down: ShuttingDown, and the slot is still the caller's to give back (`unreserve`)."""
         deployment, admission = accepted.deployment, accepted.admission
         if self.closing:
             raise ShuttingDown(SHUTTING_DOWN.detail, retry_after_s=SHUTTING_DOWN.retry_after_s)
-        ticket = Ticket(request_id, item, admission.level, self._clock(), admission.deadline, future, input_bytes,
+        ticket = Ticket(request_id, item, admission.level, self._clock(), admission.deadline, reply, input_bytes,
                         measure=admission.measure, trace=trace)
         deployment.queue.put(ticket, reserved=True)
         self.tickets.add(ticket)

@@ -1,5 +1,5 @@
 """A request's execution as trace phases, made in the front from the facts of the batch it rode
-(`dispatched_at`, `finished_at`, `batch_trace`), so that it reads the same whether the batch ran
+(`dispatched_at`, `finished_at`, `link`), so that it reads the same whether the batch ran
 in this process or in another."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ def trace_execution(trace: Phases, batch: BatchFacts | None, now: float, error: 
         return  # never dispatched: the open queue wait is what failed
     ended = batch.finished_at if batch.finished_at else now
     if error is None:
-        trace.enter("execute", batch.dispatched_at, link=batch.batch_trace, **{"router.batch.size": batch.size})
+        trace.enter("execute", batch.dispatched_at, link=batch.link, **{"router.batch.size": batch.size})
         trace.enter("postprocess", ended)
     else:
-        trace.enter("execute", batch.dispatched_at, link=batch.batch_trace)
+        trace.enter("execute", batch.dispatched_at, link=batch.link)
         trace.leave(ended, error)

@@ -17,26 +17,36 @@ cluster's front (figures from its view of the replicas). The rules, in order:
 A caller that waits for room (a pipeline's later step) asks `has_room` and, while it waits,
 `check_gate`, and calls `admit` once there is room.
 
-The decision is an `Admission`, a value made once and carried with the request: its model,
-priority level, deadline, queue position and predicted wait.
+The rules run in two named steps, each at most once per request (`EVALUATIONS` counts them):
+`screen`, where the request arrives, before its body is read or anything is taken (on the
+figures the front can read: live, the board's, or the cluster's view); and `admit`, the commit,
+where the request takes its queue slot (one process, the engine, a cluster's replica). The
+screen's outcome is a `Screened` value carried with the request to its commit; the commit's is
+an `Admission`, carried with the request to its answer: its model, priority level, deadline,
+queue position and predicted wait.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
 
 import msgspec
 
 from router.errors import DeadlineExceeded, InputError, PayloadTooLarge, QueueFull, RouterError, error_named
 from router.scheduling.service_time import Forecast, GateDecision, Prediction, deadline_gate, half_open
 
-__all__ = ["Admission", "ModelFigures", "Refusal", "Terms", "admit", "budget_s", "check_gate", "has_room", "priority_level"]
+__all__ = ["EVALUATIONS", "Admission", "Evaluations", "ModelFigures", "Refusal", "Screened", "Terms", "admit", "budget_s",
+           "check_gate", "has_room", "priority_level", "screen"]
 
 #: Figures older than this are not trusted to refuse on predictions (the engine decides instead).
 PREDICTION_FRESH_S = 0.25
 
 
-class Terms(msgspec.Struct, frozen=True):
+class Terms(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A request as its headers put it, parsed once: what it asks for, and when it arrived (the
-    host's monotonic clock, the same in every process)."""
+    host's monotonic clock, the same in every process). A front of a split host sends it to the
+    engine as it is (`router.host.messages.Submit`)."""
 
     model: str
     received_at: float
@@ -44,6 +54,7 @@ class Terms(msgspec.Struct, frozen=True):
     timeout_ms: float | None = None
     items: int = 1
     must_finish: bool = False  # a pipeline's later step: a predicted miss is 504, even for an idle model
+    wait_for_room: bool = False  # ... which waits for room in a full queue instead of a 503
 
 
 class Refusal(msgspec.Struct, frozen=True, array_like=True):
@@ -87,6 +98,35 @@ class Admission(msgspec.Struct, frozen=True):
     predicted_wait_s: float | None = None  # the deadline gate's prediction of its answer
     measure: bool = False  # admitted without a prediction's backing: never dropped as doomed at dispatch
     half_open: bool = False  # admitted against the prediction, to measure: the gate's turn is taken
+
+
+class Screened(msgspec.Struct, frozen=True):
+    """A request the rules screened and let through, taking nothing: its terms, its deadline and
+    the figures the screen read (None where there were none to read: the commit decides alone).
+    It travels with the request to its commit; nothing screens the request again."""
+
+    terms: Terms
+    deadline: float
+    figures: ModelFigures | None = None
+
+
+class Evaluations:
+    """How many times this process ran the request rules, by step (`screen`, `commit`): the
+    metrics' `model_router_rule_evaluations_total`. `sink`, when set, hears each one as it happens."""
+
+    __slots__ = ("counts", "sink")
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.sink: Callable[[str], None] | None = None
+
+    def count(self, step: str) -> None:
+        self.counts[step] += 1
+        if self.sink is not None:
+            self.sink(step)
+
+
+EVALUATIONS = Evaluations()
 
 
 def priority_level(figures: ModelFigures, priority: int | None) -> int:
@@ -148,10 +188,23 @@ def _gate(terms: Terms, figures: ModelFigures, now: float, pending: int) -> tupl
                     retry_after_s=decision.retry_after_s)
 
 
+def screen(terms: Terms, figures: ModelFigures, now: float, *, pending: int = 0, gate: bool = True) -> Screened:
+    """The screen: the rules where the request arrives, taking nothing; the request's `Screened`,
+    or the RouterError that answers it. `pending`: requests this front prepares that the figures
+    do not count yet. `gate`: apply the deadline gate (else the commit's alone)."""
+    EVALUATIONS.count("screen")
+    return Screened(terms, _decide(terms, figures, now, pending, gate).deadline, figures)
+
+
 def admit(terms: Terms, figures: ModelFigures, now: float, *, pending: int = 0, gate: bool = True) -> Admission:
-    """Take the request or raise the RouterError that answers it. `gate`: apply the deadline gate
-    (a caller may leave it to a later decision). Pure: a half-open turn it grants is the caller's
-    to take (`Admission.half_open`)."""
+    """The commit's decision: take the request or raise the RouterError that answers it. `gate`:
+    apply the deadline gate (a caller may leave it to a later decision). Pure: a half-open turn it
+    grants is the caller's to take (`Admission.half_open`)."""
+    EVALUATIONS.count("commit")
+    return _decide(terms, figures, now, pending, gate)
+
+
+def _decide(terms: Terms, figures: ModelFigures, now: float, pending: int, gate: bool) -> Admission:
     if figures.refusal is not None:
         raise figures.refusal.error()
     level = priority_level(figures, terms.priority)

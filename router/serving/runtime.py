@@ -1,14 +1,14 @@
 """The runtime: the serving core's façade, usable without HTTP.
 
-Callers use its verbs and read its snapshots: `submit` and `precheck` on the request path,
+Callers use its verbs and read its snapshots: `screen` and `submit` on the request path,
 `models()`, `model()`, `devices()` and `ready` to look, `begin_drain`/`drain`, `start`/`stop`.
 Nothing outside `router.serving` touches the deployments, instances or schedulers behind it;
 the engine process of a split host (`router.host.engine`) uses the request path's lower verbs
 (`intake`, `until_serving`) for items that front processes prepared.
 
-`submit` is the whole life of one request in one process: the rules (`router.serving.rules`),
-preprocess (`router.serving.hooks`), queue, wait for its batch (or its deadline), postprocess.
-Every accepted request is answered exactly once.
+`submit` is the whole life of one request in one process: the rules' commit
+(`router.serving.rules`), preprocess (`router.serving.hooks`), queue, wait for its batch (or its
+deadline), postprocess. Every accepted request is answered exactly once.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from router.config import FleetConfig
-from router.errors import DeadlineExceeded, RouterError, ShuttingDown, outcome_of
+from router.errors import DeadlineExceeded, ShuttingDown
 from router.logs import new_request_id
 from router.scheduling.probes import MemoryProbe, make_probe
-from router.scheduling.queue import ModelQueue, Ticket
+from router.scheduling.queue import ModelQueue, Outcome, Refused, Served, Ticket, end_lease
 from router.scheduling.scheduler import DeviceScheduler
 from router.sdk.plugin import Payload, PluginContext
 from router.serving.checks import check_answer, check_media_type
@@ -36,7 +36,7 @@ from router.serving.deployment import Deployment
 from router.serving.editor import FleetEditor, ReloadReport
 from router.serving.fleet_state import FleetState
 from router.serving.hooks import HookRunner
-from router.serving.inflight import InFlight
+from router.serving.inflight import InFlight, screening
 from router.serving.instance import ModelInstance
 from router.serving.intake import SHUTTING_DOWN, Accepted, Intake
 from router.serving.isolation import RemotePlugin
@@ -44,7 +44,7 @@ from router.serving.loading import load_deployment
 from router.serving.phases import trace_execution
 from router.serving.plan import FleetPlan, PipelinePlan
 from router.serving.residency_executor import ResidencyExecutor, UnloadReport
-from router.serving.rules import Terms, budget_s, check_gate, has_room
+from router.serving.rules import Screened, Terms, budget_s, check_gate, has_room
 from router.serving.snapshots import DeviceInfo, ModelInfo, device_info, model_info
 from router.serving.telemetry import Telemetry, TelemetryFanout
 from router.tracing.api import Phases, Tracing, within_phase
@@ -54,8 +54,8 @@ __all__ = ["Answer", "Runtime"]
 log = logging.getLogger("router.serving.runtime")
 T = TypeVar("T")
 ProbeFactory = Callable[[str, str], "MemoryProbe | None"]
-#: `precheck` leaves the wait prediction to `submit` for bodies announced at most this size.
-PRECHECK_WAIT_MIN_BYTES = 64 * 1024
+#: `screen` leaves the wait prediction to `submit` for bodies announced at most this size.
+SCREEN_WAIT_MIN_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -314,26 +314,22 @@ class Runtime:
 
     # -- the request path -------------------------------------------------------------------
 
-    def precheck(
+    def screen(
         self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
         received_at: float | None = None, items: int = 1, body_bytes: int | None = None,
-    ) -> None:
-        """Refuse, from the model name and the request's headers alone, what `submit` would refuse
-        before running anything (unknown model, bad header, shutting down, model not serving,
-        queue full, predicted to miss its deadline), so that the caller need not read the body.
-        With `items`, the queue must have room for all of them (a request that the queue can never
-        hold is 413). A body announced as at most PRECHECK_WAIT_MIN_BYTES costs less to read than
-        the wait prediction, which `submit` makes anyway: for it that one is left to `submit`.
-        Takes nothing: `submit` decides again, item by item."""
+    ) -> Screened:
+        """The rules' screen: refuse, from the model name and the request's headers alone, what
+        `submit` would refuse before running anything (unknown model, bad header, shutting down,
+        model not serving, queue full, predicted to miss its deadline), so that the caller need not
+        read the body. With `items`, the queue must have room for all of them (else 413 if it never
+        can). A body announced as at most SCREEN_WAIT_MIN_BYTES costs less to read than the wait
+        prediction, which is left to the commit. Takes nothing: `submit` commits each item."""
         deployment = self._state.get(model)
         now = self.clock()
         started = now if received_at is None else min(received_at, now)
-        gate = body_bytes is None or body_bytes > PRECHECK_WAIT_MIN_BYTES
-        try:
-            self.intake.check(deployment, Terms(model, started, priority, timeout_ms, items), gate=gate)
-        except RouterError as exc:
-            self._count(deployment.name, outcome_of(exc), started)
-            raise
+        gate = body_bytes is None or body_bytes > SCREEN_WAIT_MIN_BYTES
+        with screening(lambda outcome: self._count(deployment.name, outcome, started)):
+            return self.intake.screen(deployment, Terms(model, started, priority, timeout_ms, items), gate=gate)
 
     def _count(self, model: str, outcome: str, started: float) -> None:
         deployment = self._state.deployments.get(model)
@@ -341,20 +337,12 @@ class Runtime:
             deployment.outcomes[outcome] += 1
         self.telemetry.observe_request(model, outcome, self.clock() - started)
 
-    async def submit(
-        self,
-        model: str,
-        payload: Payload,
-        *,
-        priority: int | None = None,
-        timeout_ms: float | None = None,
-        request_id: str | None = None,
-        received_at: float | None = None,
-        trace: Phases | None = None,
-        wait_for_room: bool = False,
-        must_finish: bool = False,
-    ) -> Answer:
+    async def submit(self, model: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
+                     request_id: str | None = None, received_at: float | None = None, trace: Phases | None = None,
+                     wait_for_room: bool = False, must_finish: bool = False, screened: Screened | None = None) -> Answer:
         """Run one input through a model. Raises a RouterError subclass on any failure.
+        `screened`: the request's screen (`screen`); here the commit decides on the live figures
+        of its moment all the same, so nothing of it is read again.
         The deadline counts from `received_at` (the runtime's clock) when the caller knows it.
         With `trace` (a sampled request's), each phase of the path is recorded there as it ends.
         A pipeline's later steps ask for two things more: `wait_for_room`, a full queue is
@@ -375,7 +363,7 @@ class Runtime:
                         trace: Phases | None, wait_for_room: bool = False) -> tuple[Answer, float]:
         if wait_for_room:
             await self.until_room(deployment, terms)
-        admission = self.intake.check(deployment, terms)
+        admission = self.intake.decide(deployment, terms)
         check_media_type(deployment.name, deployment.plugin.cls.accepts, payload)
         accepted = self.intake.commit(deployment, admission)
         try:
@@ -405,8 +393,8 @@ class Runtime:
                                             payload, deadline=deadline)
             finally:
                 front.end_use()
-            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            ticket = self.intake.enqueue(accepted, item, future, request_id, len(payload.body),
+            reply: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+            ticket = self.intake.enqueue(accepted, item, reply.set_result, request_id, len(payload.body),
                                          trace=trace.ref if trace is not None else None)
         except BaseException:
             self.intake.unreserve(accepted)
@@ -414,33 +402,43 @@ class Runtime:
         if trace is not None:
             trace.enter("queue wait", ticket.arrived_at)
         try:
-            try:
-                output = await self._await_ticket(accepted, ticket)
-            except BaseException as exc:
-                if trace is not None:
-                    trace_execution(trace, ticket.batch, self.clock(), exc)
-                raise
-            batch = ticket.batch
-            assert batch is not None
-            if trace is not None:
-                trace_execution(trace, batch, self.clock())
+            served = await self._served(accepted, ticket, reply, trace)
+        finally:
+            self.intake.tickets.discard(ticket)
+        batch, lease = served.batch, served.lease
+        try:
             # The instance that ran the batch postprocesses its answer, and stays loaded until it has.
-            plugin = batch.instance.plugin if batch.instance is not None else front.plugin
-            result = await self.hooks.run(deployment.name, deployment.plugin.name, plugin, "postprocess", output, item,
-                                          deadline=deadline)
+            plugin = lease.instance.plugin if lease is not None else front.plugin
+            result = await self.hooks.run(deployment.name, deployment.plugin.name, plugin, "postprocess",
+                                          served.output, item, deadline=deadline)
             check_answer(deployment.name, deployment.plugin.name, result)
             described = await self.hooks.described(plugin, payload, item)
         finally:
-            self.intake.tickets.discard(ticket)
-            if ticket.batch is not None and ticket.batch.instance is not None and ticket.future.done() \
-                    and not ticket.future.cancelled() and ticket.future.exception() is None:
-                ticket.batch.instance.end_use()
+            if lease is not None:
+                lease.end()
         now = self.clock()  # batch end to answer: what the deadline gate adds after a batch
         deployment.lag.observe(max(0.0, now - batch.dispatched_at - batch.execution_s), now)
         wait = batch.dispatched_at - ticket.arrived_at
         self.telemetry.observe_queue_wait(deployment.name, wait)
         return Answer(request_id, deployment.name, result, wait, batch.size, batch.execution_s,
                       batch.memory_delta_bytes, described)
+
+    async def _served(self, accepted: Accepted, ticket: Ticket, reply: asyncio.Future[Outcome],
+                      trace: Phases | None) -> Served:
+        """The ticket's outcome when it is served; the error that answers it otherwise."""
+        try:
+            outcome = await self._await_ticket(accepted, ticket, reply)
+        except BaseException as exc:
+            if trace is not None:
+                trace_execution(trace, None, self.clock(), exc)
+            raise
+        if isinstance(outcome, Refused):
+            if trace is not None:
+                trace_execution(trace, outcome.batch, self.clock(), outcome.error)
+            raise outcome.error
+        if trace is not None:
+            trace_execution(trace, outcome.batch, self.clock())
+        return outcome
 
     async def until_room(self, deployment: Deployment, terms: Terms) -> None:
         """Wait until the model's queue has room for the request; 504 (never run) if its deadline
@@ -466,33 +464,31 @@ class Runtime:
         if self.intake.closing:
             raise ShuttingDown(SHUTTING_DOWN.detail, retry_after_s=SHUTTING_DOWN.retry_after_s)
 
-    async def _await_ticket(self, accepted: Accepted, ticket: Ticket) -> Any:
-        """Wait for the ticket's batch, up to its deadline: then a ticket still queued is withdrawn (it
-        never runs), and one whose batch is running gets 504 all the same; no answer comes late."""
-        future: asyncio.Future[Any] = ticket.future
+    async def _await_ticket(self, accepted: Accepted, ticket: Ticket, reply: asyncio.Future[Outcome]) -> Outcome:
+        """Wait for the ticket's outcome, up to its deadline: then a ticket still queued is withdrawn
+        (it never runs), and one whose batch is running gets 504 all the same; no answer comes late."""
         try:
             remaining = max(0.0, ticket.deadline - self.clock())
             try:
-                return await asyncio.wait_for(asyncio.shield(future), remaining)
+                return await asyncio.wait_for(asyncio.shield(reply), remaining)
             except TimeoutError:
+                _abandon(ticket, reply)
                 if self.intake.withdraw(accepted, ticket):
-                    future.cancel()  # resolved: the error goes to the caller directly
                     raise expired(accepted) from None
                 # Running: the deadline still holds. The batch goes on; this input's answer is dropped.
-                _drop(future)
                 raise DeadlineExceeded(f"deadline passed after {_budget_ms(accepted)} ms while the batch of model "
                                        f"{accepted.admission.model!r} holding this input ran") from None
         except asyncio.CancelledError:
+            _abandon(ticket, reply)
             self.intake.withdraw(accepted, ticket)  # the caller went away: never run it
-            _drop(future)
             raise
 
 
-def _drop(future: asyncio.Future[Any]) -> None:
-    """Nobody will read this answer: if it came already, its instance's use ends here."""
-    if future.done() and not future.cancelled() and future.exception() is None:
-        return  # handled by the caller's finally (it reads ticket.batch)
-    future.cancel()
+def _abandon(ticket: Ticket, reply: asyncio.Future[Outcome]) -> None:
+    """Nobody will read this ticket's outcome: one that came already, or that comes later, ends its lease."""
+    ticket.abandon()
+    if reply.done():
+        end_lease(reply.result())
 
 
 def _budget_ms(accepted: Accepted) -> str:

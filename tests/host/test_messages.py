@@ -17,9 +17,11 @@ from router.host.messages import (
     Packed,
     Reply,
     Submit,
-    Terms,
     encode_frame,
 )
+from router.scheduling.queue import BatchFacts
+from router.serving.rules import Terms
+from router.tracing.api import SpanRef
 
 
 def test_messages_come_out_whole_whatever_the_reads_cut() -> None:
@@ -32,6 +34,20 @@ def test_messages_come_out_whole_whatever_the_reads_cut() -> None:
     for cut in range(0, len(out), 7):
         received += frames.feed(out[cut:cut + 7])
     assert received == sent
+
+
+def test_the_request_paths_values_cross_as_they_are() -> None:
+    """A request's terms and its batch's facts are the request path's own values, not copies."""
+    out = bytearray()
+    facts = BatchFacts(4, 2.0, 0.5, 2.5, -8, SpanRef(2**100 + 7, 2**63 + 1).to_bytes(), queue_wait_s=0.25)
+    sent = [Submit(2, Terms("m", 1.0, items=3, must_finish=True, wait_for_room=True), "rid", 1, 0)]
+    for message in sent:
+        encode_frame(message, out)
+    assert Frames(FrontMessage).feed(out) == sent
+    out.clear()
+    encode_frame(Reply(3, facts=facts), out)
+    [reply] = Frames(EngineMessage).feed(out)
+    assert reply.facts == facts and reply.facts.link == SpanRef(2**100 + 7, 2**63 + 1)
 
 
 def test_a_failure_rebuilds_its_error_with_status_and_retry_hint() -> None:

@@ -94,8 +94,7 @@ async def infer(name: FromPath[str], request: Request[Any, Any, Any]) -> Respons
     `priority` (1 highest).
     A request is admitted or refused as a whole: its item count against the model's queue before any item is queued."""
     trace = request_phases(request.scope, "receive")
-    target = _target(request, name)  # 404 before reading the body
-    target.entry.precheck(name, received_at=received_at(request))  # draining, not serving, full: before the body
+    target = _target(request, name)  # 404 before reading the body; screened once its terms are read (`run_request`)
     limit = _body_limit(request)
     body = _decompress(await request.body(), request.headers.get("content-encoding"), limit)
     regions = client_regions(request, limit)
