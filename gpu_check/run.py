@@ -33,7 +33,7 @@ LOG_LIMIT = 2 * 2**20  # files larger than this stay out of logs.tar.gz
 # Every test file with `gpu`-marked tests (tests/test_gpu_check.py checks the list is complete).
 GPU_TEST_FILES = ("tests/test_gpu.py", "tests/test_probes.py", "tests/plugins/test_device_decode.py",
                   "tests/plugins/test_onnx.py", "tests/plugins/test_resnet.py", "tests/plugins/test_tensorrt.py",
-                  "tests/plugins/test_yolo.py")
+                  "tests/plugins/test_yolo.py", "tests/e2e/test_example_tiny_cnn.py")
 # What every part runs with: ultralytics neither looks for a network nor installs anything.
 ENVIRONMENT = {"PYTHONUNBUFFERED": "1", "YOLO_OFFLINE": "1", "YOLO_AUTOINSTALL": "false"}
 

@@ -37,11 +37,13 @@ MiB = 2**20
 # The router's own distributions, built here from their source folders.
 LOCAL = {"vision-model-router": ".", "vision-model-router-yolo": "plugins/yolo", "vision-model-router-resnet": "plugins/resnet",
          "vision-model-router-engines": "plugins/engines", "vision-model-router-onnx": "plugins/onnx",
-         "vision-model-router-tensorrt": "plugins/tensorrt", "vision-model-router-testkit": "tests/plugin_dist"}
+         "vision-model-router-tensorrt": "plugins/tensorrt", "vision-model-router-testkit": "tests/plugin_dist",
+         "vision-model-router-example-tiny-cnn": "examples/plugin-tiny-cnn"}
 # What the check imports: the router and its plugins, the test kit's plugins, and pytest-asyncio
 # (pyproject's asyncio_mode; the machine has pytest but not it).
 ROOTS = ("vision-model-router[tracing]", "vision-model-router-yolo", "vision-model-router-resnet", "vision-model-router-engines[detect,classify,check]",
-         "vision-model-router-onnx", "vision-model-router-tensorrt", "vision-model-router-testkit", "pytest-asyncio")
+         "vision-model-router-onnx", "vision-model-router-tensorrt", "vision-model-router-testkit",
+         "vision-model-router-example-tiny-cnn", "pytest-asyncio")
 # In the tree, not carried: the check does without them.
 LEFT_OUT = {
     "opencv-python": "the machine's opencv-python-headless provides the same cv2 (opencv-python is a 67 MB wheel)",
