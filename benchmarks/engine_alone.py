@@ -25,7 +25,9 @@ from typing import Any
 
 import psutil
 
+from router.config import ServerSettings
 from router.host.arena import Arena
+from router.host.handover import write_settings
 from router.host.messages import Models, Reply, Submit, Terms
 from router.host.packing import Packer
 from router.host.stream import EngineStream, handshake
@@ -79,11 +81,13 @@ def _start_engine(directory: Path, max_batch: int) -> subprocess.Popen[bytes]:
     fleet.write_text(f"models:\n  noop:\n    plugin: scripted\n    device: cpu\n"
                      f"    queue: {{max_size: 4096, timeout_ms: 10000}}\n"
                      f"    batch: {{max_size: {max_batch}, max_delay_ms: 0}}\n", encoding="utf-8")
-    env = {**os.environ, "MODEL_ROUTER_CONFIG": str(fleet), "PROMETHEUS_MULTIPROC_DIR": str(directory)}
+    settings = directory / "settings.json"
+    write_settings(ServerSettings(config=fleet), settings)  # what a split host's parent hands its engine
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(directory)}
     with open(directory / "engine.log", "wb") as log:
         return subprocess.Popen([sys.executable, "-m", "router.host.engine_main", "--socket",
-                                 str(directory / "engine.sock"), "--parent", str(os.getpid())],
-                                env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+                                 str(directory / "engine.sock"), "--parent", str(os.getpid()), "--settings",
+                                 str(settings)], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
 
 async def _measure(engine: psutil.Process, socket_path: Path, fronts: int, concurrency: int,

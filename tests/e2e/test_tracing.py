@@ -262,7 +262,8 @@ def test_a_503_is_an_error_span_with_its_reason_whoever_answers_it(server: Route
     span = otlp.wait_for(lambda got: server_span(got, "refused-v2"))
     assert span.name == "POST /v2/models/{name}/infer"
     assert span.status_code == STATUS_ERROR and "was unloaded by an operator" in span.status_message
-    assert [p.name for p in children(otlp.spans, span)] == ["receive"]  # refused while it was read
+    # Screened once, when its terms (items, priority, timeout) are decoded: refused before any item is queued.
+    assert [p.name for p in children(otlp.spans, span)] == ["receive", "decode"]
 
 
 def test_without_opentelemetry_installed_the_router_serves_untraced_and_refuses_an_endpoint(tmp_path: Path) -> None:
