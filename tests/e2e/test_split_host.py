@@ -23,7 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import RouterProcess, metric_value, read_records, serve
+from tests.conftest import HANG_S, RouterProcess, metric_value, read_records, serve
 
 pytestmark = pytest.mark.e2e
 
@@ -224,8 +224,14 @@ def test_sigterm_answers_every_request_the_engine_had_queued(tmp_path: Path) -> 
 
 def test_a_front_refuses_a_surge_from_the_board_without_asking_the_engine(tmp_path: Path) -> None:
     with serve_split(tmp_path, fleet(fixed_ms=2000, max_batch=1, queue=2)) as server:
-        holders = [threading.Thread(target=lambda: httpx.post(server.url + "/models/m/predict", json={"id": "h"},
-                                                               timeout=30)) for _ in range(3)]
+        def hold() -> None:
+            """One request that takes its place; again if a front refused it while the others were
+            still being prepared there (a front counts what it prepares against the queue's room)."""
+            deadline = time.monotonic() + HANG_S
+            while httpx.post(server.url + "/models/m/predict", json={"id": "h"}, timeout=30).status_code == 503:
+                assert time.monotonic() < deadline, "a holder was refused until the hang bound"
+
+        holders = [threading.Thread(target=hold) for _ in range(3)]
         for thread in holders:
             thread.start()
         until(lambda: httpx.get(server.url + "/models/m").json()["queue"]["depth"] == 2, what="the queue full")
