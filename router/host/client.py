@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from router.config import ServerSettings
 from router.errors import (
     ConfigError,
     EngineUnavailable,
@@ -68,7 +69,7 @@ LAGS_EVERY_S = 0.05
 class EngineClient:
     def __init__(self, socket_path: Path, front: int, *, cpu_workers: int = 1,
                  arena_bytes: int = REQUEST_ARENA_BYTES, clock: Callable[[], float] = time.monotonic,
-                 stale_after_s: float = 3.0) -> None:
+                 stale_after_s: float = ServerSettings.model_fields["engine_stale_s"].default) -> None:
         from router.serving.hooks import HookRunner
 
         self.socket_path = socket_path
