@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -29,6 +29,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from router.devices import check_device_name
 from router.errors import ConfigError, brief, clip
 from router.pipeline_config import PipelineConfig
+from router.version_config import SEPARATOR, MirrorConfig, RouteConfig, expand_versions, version_name_problem
 
 __all__ = [
     "AutoscalingConfig",
@@ -40,10 +41,12 @@ __all__ = [
     "FleetConfig",
     "FrontConfig",
     "MemoryConfig",
+    "MirrorConfig",
     "ModelConfig",
     "NodeTypeConfig",
     "PipelineConfig",
     "QueueConfig",
+    "RouteConfig",
     "ServerSettings",
     "WarmupConfig",
     "config_error",
@@ -327,6 +330,9 @@ class FleetConfig(_Strict):
     models: dict[str, ModelConfig]
     pipelines: dict[str, PipelineConfig] = Field(default_factory=dict, description="models chained in one request")
     cluster: ClusterConfig | None = Field(None, description="scale-out on Ray Serve (model-router cluster deploy)")
+    routes: dict[str, RouteConfig] = Field(default_factory=dict, description=(
+        "the names of models with versions: their versions (each served as the model name@version), stable "
+        "version, split, mirror and rollout; made from each model's versions: when the file is read"))
 
     @field_validator("devices")
     @classmethod
@@ -340,7 +346,10 @@ class FleetConfig(_Strict):
     def _model_names(cls, value: dict[str, ModelConfig]) -> dict[str, ModelConfig]:
         if not value:
             raise ValueError("the fleet has no models; add at least one under 'models'")
-        _check_names(value, "model")
+        _check_names([name.partition(SEPARATOR)[0] for name in value], "model")
+        for name in value:
+            if SEPARATOR in name and (problem := version_name_problem(name.partition(SEPARATOR)[2])):
+                raise ValueError(f"model {name!r}: {problem}")
         return value
 
     @field_validator("pipelines")
@@ -372,8 +381,39 @@ class FleetConfig(_Strict):
                 raise ValueError(f"{key}: no model named {name!r}; models: {', '.join(sorted(self.models))}")
         return self
 
+    @model_validator(mode="after")
+    def _routes_name_their_versions(self) -> FleetConfig:
+        """A routed name is no model's and no pipeline's name, and each of its versions is a model."""
+        _check_names(self.routes, "model")
+        for name, route in self.routes.items():
+            if name in self.models or name in self.pipelines:
+                what = "model" if name in self.models else "pipeline"
+                raise ValueError(f"{what}s.{name}: a {what} is named {name!r} too, and {name!r} is a model with "
+                                 "versions; models and pipelines share one name: rename one")
+            missing = [v for v in route.versions if f"{name}{SEPARATOR}{v}" not in self.models]
+            if missing:
+                raise ValueError(f"routes.{name}: no model for version(s) {', '.join(missing)} "
+                                 f"(each version is the model {name}{SEPARATOR}<version>)")
+        return self
 
-def _check_names(names: Mapping[str, object], what: str) -> None:
+    @model_validator(mode="wrap")
+    @classmethod
+    def _expand_versions(cls, data: Any, handler: Any) -> FleetConfig:
+        """Models with versions become one model per version and a route (router.version_config);
+        problems are reported under the keys the file wrote. Defined last: it wraps every check above."""
+        expansion = expand_versions(data)
+        if not expansion.sections and not expansion.errors:
+            return handler(data)  # type: ignore[no-any-return]
+        try:
+            fleet = handler(expansion.data)
+        except ValidationError as exc:
+            raise expansion.translate(exc, cls, _accepted_keys) from None
+        if expansion.errors:
+            raise expansion.translate(None, cls, _accepted_keys)
+        return fleet  # type: ignore[no-any-return]
+
+
+def _check_names(names: Iterable[str], what: str) -> None:
     for name in names:
         if not re.fullmatch(MODEL_NAME_PATTERN, name):
             raise ValueError(
@@ -476,6 +516,8 @@ def load_fleet(path: str | Path) -> FleetConfig:
             f"{source}: {clip(secrets[0], 40)}: API keys never go in the fleet file; set "
             f"MODEL_ROUTER_{key.upper()} or MODEL_ROUTER_{key.upper()}_FILE (a secret file, one key a line)"
         )
+    if problems := _written_routes(data, str(source)):
+        raise config_error(str(source), problems)
     try:
         fleet = FleetConfig.model_validate(data)
     except ValidationError as exc:
@@ -484,6 +526,18 @@ def load_fleet(path: str | Path) -> FleetConfig:
         store = (source.parent / fleet.model_store).resolve()
         fleet = fleet.model_copy(update={"model_store": store})
     return fleet
+
+
+def _written_routes(data: dict[str, Any], source: str) -> list[str]:
+    """A fleet file gives a model's versions in its section: `routes` and `name@version` models are
+    what the router makes of them, never written by hand (so no model of the file is named like a version)."""
+    hint = "give the model versions: (docs/configuration.md, \"Versions and traffic splits\")"
+    problems = [f"{source}: routes: not a fleet-file key; {hint}"] if "routes" in data else []
+    models = data.get("models")
+    if isinstance(models, dict):
+        problems += [f"{source}: models.{clip(str(name), 80)}: '{SEPARATOR}' separates a name from its version and is "
+                     f"not accepted in a model's name; {hint}" for name in models if SEPARATOR in str(name)]
+    return problems
 
 
 def nesting_exceeds(value: Any, limit: int) -> bool:
