@@ -1,5 +1,6 @@
 """The live page's routes and data, in process: the page and its files are open and ship with the
-package; /ui/state is guarded like /models and follows the runtime and the metrics."""
+package; /ui/state is guarded like /models and follows the runtime and the metrics, models with
+versions included."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ from typing import Any
 
 import pytest
 from litestar.testing import TestClient
+from prometheus_client import Counter, Summary
 
 from router.http.app import create_app
 from router.http.auth import AccessPolicy
+from router.http.metrics import RouterMetrics
+from router.http.ui.state import route_states
+from router.serving.versions import VersionRoute
 from tests.test_runtime import make_runtime
 
 KEY = "state-test-key-0123456789"
@@ -84,3 +89,91 @@ def test_a_dynamic_fleets_fields_pass_through(client: TestClient[Any]) -> None:
     m = next(model for model in state["models"] if model["name"] == "m")
     assert m["residency"] == listed["m"]["residency"]
     assert m["residency"]["mode"] == "always" and m["residency"]["resident"] is True
+
+
+VERSIONED = """
+models:
+  v:
+    plugin: scripted
+    options: {fixed_ms: 5}
+    versions: {"1": {}, "2": {}}
+    traffic: {"1": 90, "2": 10}
+    mirror: {version: "2", percent: 100}
+  plain: {plugin: scripted, options: {fixed_ms: 5}}
+"""
+
+
+def test_state_lists_each_model_with_versions(tmp_path: Path) -> None:
+    runtime = make_runtime(tmp_path, VERSIONED)
+    with TestClient(app=create_app(runtime)) as client:
+        deadline = time.monotonic() + 30
+        while not runtime.ready:
+            assert time.monotonic() < deadline, "models did not load"
+            time.sleep(0.05)
+        state = client.get("/ui/state").json()
+    (route,) = state["routes"]
+    assert {key: route[key] for key in ("name", "stable", "weights", "mirror", "rollout")} == {
+        "name": "v", "stable": "1", "weights": {"1": 90.0, "2": 10.0}, "mirror": {"version": "2", "percent": 100.0},
+        "rollout": None}
+    assert [(v["version"], v["deployment"], v["weight"], v["stable"], v["mirror"]) for v in route["versions"]] == [
+        ("1", "v@1", 90.0, True, False), ("2", "v@2", 10.0, False, True)]
+    assert {m["name"] for m in state["models"]} == {"v@1", "v@2", "plain"}
+
+
+class _Routes:
+    """A serving core with one routed name, as route_states reads it."""
+
+    def __init__(self, rollout: dict[str, Any] | None) -> None:
+        self._rollout = rollout
+
+    def routes(self) -> dict[str, VersionRoute]:
+        return {"r": VersionRoute("r", ("1", "2"), "1", {"1": 75.0, "2": 25.0}, mirror="2", mirror_percent=50.0,
+                                  generation=3)}
+
+    def rollout(self, name: str) -> dict[str, Any] | None:
+        return self._rollout if name == "r" else None
+
+
+def _metric(metrics: RouterMetrics, attribute: str, kind: Any, name: str, labels: list[str]) -> Any:
+    """The router's metric `attribute`, or one of the same name and labels in its registry."""
+    metric = getattr(metrics, attribute, None)
+    if metric is None:
+        metric = kind(name, "stand-in", labels, registry=metrics.registry)
+        setattr(metrics, attribute, metric)
+    return metric
+
+
+def test_route_states_read_the_version_metrics() -> None:
+    metrics = RouterMetrics()
+    requests = _metric(metrics, "version_requests", Counter, "model_router_version_requests",
+                       ["model", "version", "outcome"])
+    agreement = _metric(metrics, "version_agreement", Summary, "model_router_version_agreement",
+                        ["model", "version", "against"])
+    mirrored = _metric(metrics, "mirror_requests", Counter, "model_router_mirror_requests", ["model", "outcome"])
+    requests.labels(model="r", version="1", outcome="ok").inc(7)
+    requests.labels(model="r", version="2", outcome="ok").inc(2)
+    requests.labels(model="r", version="2", outcome="error").inc()
+    requests.labels(model="other", version="2", outcome="ok").inc(5)
+    for value in (1.0, 0.0, 1.0, 1.0):
+        agreement.labels(model="r", version="2", against="1").observe(value)
+    mirrored.labels(model="r@2", outcome="served").inc(3)
+    mirrored.labels(model="r@2", outcome="shed").inc()
+    mirrored.labels(model="r@1", outcome="served").inc(2)
+    rollout = {"candidate": "2", "status": "running", "step": 1, "steps": [5.0, 25.0, 50.0, 100.0]}
+    (route,) = route_states(_Routes(rollout), metrics)  # type: ignore[arg-type]
+    assert route["rollout"] == rollout and route["generation"] == 3 and route["shadow"] == {"served": 5, "shed": 1}
+    stable, candidate = route["versions"]
+    assert stable["requests"] == {"ok": 7} and stable["agreement"] == {} and stable["shadow"] == {"served": 2}
+    assert candidate["requests"] == {"ok": 2, "error": 1} and candidate["shadow"] == {"served": 3, "shed": 1}
+    assert candidate["agreement"] == {"1": {"count": 4, "sum": 3.0}}
+    assert (stable["weight"], stable["stable"], candidate["weight"], candidate["mirror"]) == (75.0, True, 25.0, True)
+
+
+def test_route_states_without_the_version_metrics_show_the_routes() -> None:
+    metrics = RouterMetrics()
+    for attribute in ("version_requests", "version_agreement", "mirror_requests"):
+        if hasattr(metrics, attribute):
+            delattr(metrics, attribute)
+    (route,) = route_states(_Routes(None), metrics)  # type: ignore[arg-type]
+    assert route["rollout"] is None and route["shadow"] == {}
+    assert [v["requests"] for v in route["versions"]] == [{}, {}]

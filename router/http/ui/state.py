@@ -1,8 +1,8 @@
 """What the live page shows, as one compact JSON document: the only place the page reads the router.
 
-Everything comes from the runtime's snapshots (`models()`, `devices()`), the pipeline runner's and the Prometheus
-registry's cumulative histograms; the page turns counts into rates and windowed percentiles
-itself, from the difference between two polls.
+Everything comes from the runtime's snapshots (`models()`, `devices()`, `routes()`), the pipeline runner's and the
+Prometheus registry's cumulative histograms and counters; the page turns counts into rates and windowed
+percentiles itself, from the difference between two polls.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from router.http.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, RouterMetrics
 from router.pipelines import PipelineRunner
 from router.serving.facade import ServingFacade
 from router.serving.snapshots import DeviceInfo
+from router.serving.versions import split_name
 
-__all__ = ["RESIDENCY_FIELDS", "fleet_state"]
+__all__ = ["RESIDENCY_FIELDS", "fleet_state", "route_states"]
 
 #: Fields a dynamic fleet adds to a model's snapshot; shown when present.
 RESIDENCY_FIELDS = ("residency",)
@@ -57,7 +58,57 @@ def fleet_state(runtime: ServingFacade, metrics: RouterMetrics, pipelines: Pipel
         "device_errors": {device.name: device.error for device in devices if not device.available},
         "models": models,
         "pipelines": [] if pipelines is None else pipeline_states(pipelines, metrics),
+        "routes": route_states(runtime, metrics),
     }
+
+
+def route_states(runtime: ServingFacade, metrics: RouterMetrics) -> list[dict[str, Any]]:
+    """Each model with versions: its split, stable and mirror versions, its rollout, and per version
+    the answers by outcome, the agreement sums by the version compared with, and the shadow copies it
+    ran by outcome (totals over every process: the page takes differences between polls)."""
+    requests = _labelled(metrics, "version_requests", ("model", "version", "outcome"), "_total")
+    compared = _labelled(metrics, "version_agreement", ("model", "version", "against"), "_count")
+    summed = _labelled(metrics, "version_agreement", ("model", "version", "against"), "_sum")
+    shadows: dict[tuple[str, str | None], dict[str, int]] = {}  # by the deployment that ran them
+    for (deployment, outcome), n in _labelled(metrics, "mirror_requests", ("model", "outcome"), "_total").items():
+        shadows.setdefault(split_name(deployment), {})[outcome] = int(n)
+    out = []
+    for name, route in runtime.routes().items():
+        versions = []
+        for version in route.versions:
+            agreement = {against: {"count": int(n), "sum": round(summed.get((m, v, against), 0.0), 6)}
+                         for (m, v, against), n in compared.items() if (m, v) == (name, version)}
+            versions.append({
+                "version": version, "deployment": route.deployment(version), "weight": route.weights.get(version, 0.0),
+                "stable": version == route.stable, "mirror": version == route.mirror,
+                "requests": {outcome: int(n) for (m, v, outcome), n in requests.items() if (m, v) == (name, version)},
+                "agreement": agreement, "shadow": shadows.get((name, version), {}),
+            })
+        shadow: dict[str, int] = {}
+        for (routed, _), counts in shadows.items():
+            if routed == name:
+                for outcome, n in counts.items():
+                    shadow[outcome] = shadow.get(outcome, 0) + n
+        out.append({"name": name, "stable": route.stable, "weights": dict(route.weights),
+                    "mirror": {"version": route.mirror, "percent": route.mirror_percent} if route.mirror else None,
+                    "generation": route.generation, "rollout": runtime.rollout(name), "shadow": shadow,
+                    "versions": versions})
+    return out
+
+
+def _labelled(metrics: RouterMetrics, attribute: str, labels: tuple[str, ...], suffix: str) -> dict[tuple[str, ...], float]:
+    """The samples ending in `suffix` of the metric `metrics.<attribute>`, summed by `labels`; empty
+    when this router has no such metric."""
+    metric = getattr(metrics, attribute, None)
+    out: dict[tuple[str, ...], float] = {}
+    if metric is None:
+        return out
+    for family in metrics.family(metric):
+        for sample in family.samples:
+            if sample.name.endswith(suffix) and all(label in sample.labels for label in labels):
+                key = tuple(sample.labels[label] for label in labels)
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
 
 
 def pipeline_states(pipelines: PipelineRunner, metrics: RouterMetrics) -> list[dict[str, Any]]:
