@@ -1,6 +1,7 @@
 "use strict";
 // The live page: polls /ui/state, keeps what it has seen for a few minutes, and draws one card per
-// device and per model with small canvas charts. No framework, nothing fetched from elsewhere.
+// device, per model and per model with versions, with small canvas charts. No framework, nothing
+// fetched from elsewhere.
 (() => {
   const params = new URLSearchParams(location.search);
   const POLL_MS = clamp(Number(params.get("poll_ms")) || 1000, 250, 60000);
@@ -18,6 +19,13 @@
   const COLUMNS = [...CLASSES.map(([status]) => status), "other"];  // "other": outcomes this page does not know
   const RESIDENCY = ["residency", "loads", "evictions", "cold_starts", "last_used", "pinned"];
   const STATE_BADGE = {ready: "ok", degraded: "warn", failed: "bad", loading: "info", pending: "info", stopped: ""};
+  const ERRORS = ["500", "503", "504"];  // the statuses a version's error share counts (the server's, not the caller's)
+  const VERSION_COLUMNS = [
+    ["weight", "share of the name's requests routed to it"], ["answers / s", `its answers over the last ${WINDOW_S} s`],
+    ["errors", "share of its answers that were 500, 503 or 504"],
+    ["agreement", "mean agreement of its answers with the stable version's on the same inputs (shadow copies)"],
+    ["shadow served", "shadow copies it answered (total)"], ["shadow shed", "shadow copies refused for want of spare capacity (total)"],
+  ];
 
   const history = [];  // snapshots from /ui/state, oldest first
   let timer = null;
@@ -133,6 +141,8 @@
     state.byName = Object.fromEntries(state.models.map((m) => [m.name, m]));
     state.pipelines = state.pipelines || [];
     state.pipelineByName = Object.fromEntries(state.pipelines.map((p) => [p.name, p]));
+    state.routes = state.routes || [];
+    state.routeByName = Object.fromEntries(state.routes.map((r) => [r.name, r]));
     const newest = history[history.length - 1];
     if (newest && state.time < newest.time) history.length = 0;  // the clock went back: start again
     history.push(state);
@@ -215,10 +225,98 @@
     const models = $("models");
     for (const model of state.models) renderModel(cardFor(models, "model", model.name, modelCard), model, state);
     prune(models, "model", new Set(state.models.map((m) => m.name)));
+    versionsSection().hidden = !state.routes.length;
+    const routes = $("versions");
+    for (const r of state.routes) renderRoute(cardFor(routes, "route", r.name, routeCard), r, state);
+    prune(routes, "route", new Set(state.routes.map((r) => r.name)));
     const pipelines = $("pipelines");
     $("pipelines-section").hidden = !state.pipelines.length;
     for (const p of state.pipelines) renderPipeline(cardFor(pipelines, "pipeline", p.name, pipelineCard), p, state);
     prune(pipelines, "pipeline", new Set(state.pipelines.map((p) => p.name)));
+  }
+
+  // -- versions: one card per model with versions; a row per version, rates over the window ------
+
+  function versionsSection() {
+    let section = $("versions-section");
+    if (!section) {
+      section = el("section", {id: "versions-section", hidden: ""}, el("h2", {}, "Versions"),
+        el("div", {id: "versions", class: "grid"}));
+      $("pipelines-section").before(section);
+    }
+    return section;
+  }
+
+  function routeCard(name) {
+    return el("article", {class: "card route", "data-route": name},
+      el("h3", {}, name, el("span", {class: "badge", "data-field": "rollout"}, "–"),
+        el("span", {class: "muted", "data-field": "where"})),
+      el("p", {class: "muted", "data-field": "reason", hidden: ""}),
+      el("table", {class: "outcomes"},
+        el("thead", {}, el("tr", {}, el("th", {}, "version"), ...VERSION_COLUMNS.map(([c, title]) => el("th", {title}, c)))),
+        el("tbody")));
+  }
+
+  function renderRoute(card, r, state) {
+    const mirror = r.mirror ? ` · mirror ${r.mirror.version} at ${+r.mirror.percent.toFixed(2)}%` : "";
+    set(card, "where", `stable ${r.stable}${mirror} · generation ${r.generation}`);
+    const [label, kind, reason] = rolloutStatus(r.rollout);
+    set(card, "rollout", label);
+    card.querySelector("[data-field=rollout]").className = `badge ${kind}`;
+    const why = card.querySelector("[data-field=reason]");
+    why.hidden = !reason;
+    set(card, "reason", reason);
+    const body = card.querySelector("tbody");
+    const keys = r.versions.map((v) => v.version).join();
+    if (body.dataset.keys !== keys) {
+      body.replaceChildren(...r.versions.map((v) => el("tr", {},
+        el("td", {"data-field": `version-${v.version}`}, v.version),
+        ...VERSION_COLUMNS.map(([c]) => el("td", {"data-field": `${c.replace(/[^a-z]+/g, "-")}-${v.version}`}, "–")))));
+      body.dataset.keys = keys;
+    }
+    const old = before(WINDOW_S);
+    const seconds = state.time - old.time;
+    const was = ((old.routeByName || {})[r.name] || {versions: []}).versions;
+    for (const v of r.versions) {
+      const o = was.find((x) => x.version === v.version);
+      const marks = [v.stable && "stable", v.mirror && "mirror", r.rollout && r.rollout.candidate === v.version && "candidate"];
+      set(card, `version-${v.version}`, [v.version, ...marks.filter(Boolean)].join(" · "));
+      set(card, `weight-${v.version}`, `${+v.weight.toFixed(2)}%`, v.weight);
+      const now = statusCounts(v), then = statusCounts(o);
+      const answers = COLUMNS.reduce((sum, c) => sum + delta(now[c], then[c]), 0);
+      const errors = ERRORS.reduce((sum, c) => sum + delta(now[c], then[c]), 0);
+      set(card, `answers-s-${v.version}`, seconds > 0 ? fmtRate(answers / seconds) : "–");
+      set(card, `errors-${v.version}`, answers ? fmtShare(errors / answers) : "–", answers ? errors / answers : "");
+      const mean = agreementSince(v.agreement[r.stable], o && o.agreement[r.stable]);
+      set(card, `agreement-${v.version}`, mean === null ? "–" : mean.toFixed(3), mean ?? "");
+      for (const outcome of ["served", "shed"]) {
+        const n = v.shadow[outcome] || 0;
+        set(card, `shadow-${outcome}-${v.version}`, String(n), n);
+      }
+    }
+  }
+
+  // The mean agreement of the comparisons made since `old` (all of them after a restart); null if none.
+  function agreementSince(now, old) {
+    if (!now) return null;
+    const fresh = !old || old.count > now.count;
+    const count = fresh ? now.count : now.count - old.count;
+    return count ? (now.sum - (fresh ? 0 : old.sum)) / count : null;
+  }
+
+  // A rollout as [badge text, badge kind, the line under the title].
+  function rolloutStatus(rollout) {
+    if (!rollout) return ["no rollout", "", ""];
+    const steps = rollout.steps || [];
+    if (rollout.status === "running" && !rollout.reason) {  // an operator's stop leaves it "running", with a reason
+      return [`rollout: step ${rollout.step + 1} of ${steps.length}`, "info",
+        `version ${rollout.candidate} at ${steps[rollout.step]}%: ${rollout.step_answers} answers this step ` +
+        `(${rollout.step_failures} failed) in ${Math.round(rollout.step_elapsed_s)} s`];
+    }
+    if (rollout.status === "promoted") return ["promoted", "ok", `version ${rollout.candidate}: ${rollout.reason || ""}`];
+    if (rollout.status === "rolled_back") return ["rolled back", "bad", `version ${rollout.candidate}: ${rollout.reason || ""}`];
+    return ["rollout stopped", "warn", `version ${rollout.candidate} at step ${rollout.step + 1} of ${steps.length}: ` +
+      `${rollout.reason || ""}`];
   }
 
   // -- pipelines: one card each; per step, items per request and mean batch size over the window --
