@@ -20,8 +20,8 @@ from pydantic_core import InitErrorDetails
 
 from router.rollout_config import RolloutConfig
 
-__all__ = ["ROUTE_KEYS", "VERSION_NAME_PATTERN", "Expansion", "MirrorConfig", "RouteConfig", "RouteProblems",
-           "expand_versions", "version_name_problem"]
+__all__ = ["ROUTE_KEYS", "SEPARATOR", "VERSION_NAME_PATTERN", "Expansion", "MirrorConfig", "RouteConfig", "RouteProblems",
+           "changed_route", "expand_versions", "removal_problem", "route_problems", "version_name_problem"]
 
 #: A version's name, whole (`resnet18@2`'s `2`).
 VERSION_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}"
@@ -264,3 +264,41 @@ def _expand_one(name: str, section: dict[str, Any], expanded: dict[Any, Any], ex
     if len(names) != len(versions):
         return None
     return {"versions": names, **{key: section[key] for key in ROUTE_KEYS[1:] if key in section}}
+
+
+def changed_route(route: RouteConfig, *, weights: Mapping[str, float] | None = None, stable: str | None = None,
+                  mirror: str | None = None, mirror_percent: float | None = None) -> dict[str, Any]:
+    """The data of `route` after an operator's change, to validate as a RouteConfig: `weights` is
+    the whole new split (versions it leaves out get none), `mirror` "" stops mirroring, and what is
+    None stays. A stable version that becomes the rollout's candidate ends that rollout: it is promoted."""
+    data = route.model_dump()
+    if weights is not None:
+        data["traffic"] = {_text(version): weight for version, weight in weights.items()}
+    if stable is not None:
+        data["stable"] = _text(stable)
+    if mirror == "":
+        data["mirror"] = None
+    elif mirror is not None or mirror_percent is not None:
+        current = route.mirror
+        version = mirror if mirror is not None else current.version if current is not None else None
+        if version is None:
+            raise RouteProblems([(("mirror", "percent"), f"{mirror_percent:g} given without a mirror; name the version to mirror too")])
+        percent = mirror_percent if mirror_percent is not None else current.percent if current is not None else 100.0
+        data["mirror"] = {"version": _text(version), "percent": percent}
+    if route.rollout is not None and data["stable"] == route.rollout.candidate:
+        data["rollout"] = None
+    return data
+
+
+def removal_problem(route: RouteConfig, version: str) -> str | None:
+    """Why a version cannot be removed from its route now (what still sends it requests), or None."""
+    if version == route.stable:
+        return f"version {version!r} is the stable version: make another one stable first"
+    if route.weight(version) > 0:
+        return f"version {version!r} takes {route.weight(version):g} of the traffic: move it to another version first"
+    if route.mirror is not None and route.mirror.version == version:
+        return f"version {version!r} is the mirror: stop mirroring it, or mirror another version, first"
+    if route.rollout is not None and route.rollout.candidate == version:
+        return (f"version {version!r} is the candidate of the rollout in the fleet file: change its rollout: "
+                "and reload first")
+    return None

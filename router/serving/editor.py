@@ -13,8 +13,12 @@ re-read the fleet file, with nothing accepted lost.
 - `put_pipeline`, `delete_pipeline`: add, change or remove a pipeline; requests already inside one
   finish on the definition they started with. A model change that a pipeline could no longer
   use is refused (409).
-- `reload`: the difference between the fleet file and what serves, applied model by model, then
-  pipeline by pipeline.
+- `put_version`, `delete_version`, `set_traffic`: a model with versions (each version is the model
+  `name@version`): add or change one version, remove one that no request goes to, change the split,
+  the stable version or the mirror. Each is one change, applied whole: the name's route is swapped
+  for a new one with the next generation (`plan.routes`), never patched.
+- `reload`: the difference between the fleet file and what serves, applied model by model (a model
+  with versions: version by version, then its route), then pipeline by pipeline.
 
 One change runs at a time.
 """
@@ -31,16 +35,27 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from router.config import FleetConfig, format_validation_error
+from router.config import FleetConfig, ModelConfig, RouteConfig, config_error, format_validation_error, validation_problems
 from router.errors import ConfigError, Conflict, ModelDoesNotFit, ModelNotFound, ModelUnavailable, brief
 from router.scheduling.queue import reject
 from router.serving.deployment import Deployment
 from router.serving.fleet_state import FleetState
 from router.serving.instance import InstanceState
 from router.serving.loading import load_instance
-from router.serving.plan import FleetPlan, PipelinePlan, load_plan, pipeline_transforms, resolve_fleet, resolve_pipelines
+from router.serving.plan import (
+    FleetPlan,
+    PipelinePlan,
+    load_plan,
+    pipeline_transforms,
+    resolve_fleet,
+    resolve_pipelines,
+    version_route,
+)
 from router.serving.registry import PluginRegistry
 from router.serving.residency_executor import ResidencyExecutor, UnloadReport
+from router.serving.traffic import TrafficChange
+from router.serving.versions import VersionRoute, deployment_name, split_name
+from router.version_config import ROUTE_KEYS, RouteProblems, changed_route, removal_problem, version_name_problem
 
 __all__ = ["FleetEditor", "ReloadReport"]
 
@@ -61,6 +76,7 @@ class ReloadReport:
     errors: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     pipelines: dict[str, str] = field(default_factory=dict)  # name: added, changed, unchanged, removed or the error
+    routes: dict[str, str] = field(default_factory=dict)  # a model with versions: added, changed, unchanged, removed
 
 
 class FleetEditor:
@@ -82,6 +98,7 @@ class FleetEditor:
         self._clock = clock
         self._lock = asyncio.Lock()
         self._generations = {d.name: d.generation for d in fleet}
+        self._route_generations = {name: route.generation for name, route in plan.routes.items()}
 
     def _deployment(self, name: str) -> Deployment:
         return self._fleet.get(name)
@@ -145,10 +162,16 @@ class FleetEditor:
     # -- add, change, remove --------------------------------------------------------------------
 
     async def put(self, name: str, section: Mapping[str, Any], source: str) -> str:
-        """Add or change one model from its fleet-file section. Returns added, changed or unchanged."""
+        """Add or change one model from its fleet-file section: a section with versions: puts them all
+        and the name's route; `name@version` puts that version. Returns added, changed or unchanged."""
         async with self._lock:
             if name in self.plan.pipelines:
                 raise Conflict(f"a pipeline is named {name!r}; models and pipelines share one name: choose another")
+            base, version = split_name(name)
+            if version is not None:
+                return await self._put_version(base, version, section, source)
+            if name in self.plan.routes or set(section) & set(ROUTE_KEYS):
+                return await self._put_routed(name, dict(section), source)
             plan = self._resolve(name, dict(section), source)
             self._check_users(name, plan)
             return await self._apply(name, plan)
@@ -165,15 +188,38 @@ class FleetEditor:
                            f"section: {exc}") from None
 
     async def delete(self, name: str) -> None:
+        """Remove a model; a model with versions goes whole (`name@version` removes that version only)."""
         async with self._lock:
-            if users := self.plan.users_of(self._deployment(name).name):
+            base, version = split_name(name)
+            if version is not None and base in self.plan.routes:
+                await self._delete_version(base, version)
+                return
+            model = name if name in self.plan.routes else self._deployment(name).name
+            if users := self.plan.users_of(model):
                 raise Conflict(f"model {name!r} is used by pipeline(s) {', '.join(users)}: delete them "
                                "(DELETE /pipelines/{name}) or change them first")
-            deployment = self._fleet.remove(self._deployment(name).name)
-            self.plan = replace(self.plan, models={k: v for k, v in self.plan.models.items() if k != name},
-                                fleet=self.plan.fleet.model_copy(update={"models": {
-                                    k: v for k, v in self.plan.fleet.models.items() if k != name}}))
-            await self._retire(deployment, "removed", "removed from the fleet")
+            if model in self.plan.routes:
+                await self._drop_route(model, "removed from the fleet")
+            else:
+                await self._remove(model, "removed from the fleet")
+
+    async def _remove(self, model: str, why: str) -> None:
+        """Stop serving one model (new requests get 404), answer what it accepted, unload it."""
+        deployment = self._fleet.remove(model)
+        self.plan = replace(self.plan, models={k: v for k, v in self.plan.models.items() if k != model},
+                            fleet=self.plan.fleet.model_copy(update={"models": {
+                                k: v for k, v in self.plan.fleet.models.items() if k != model}}))
+        await self._retire(deployment, "removed", why)
+
+    async def _drop_route(self, name: str, why: str) -> list[str]:
+        """Stop routing a model with versions (its name gets 404), then remove every version; the versions removed."""
+        config = self.plan.fleet.routes[name]
+        self._set_route(name, None)
+        removed = [deployment_name(name, v) for v in config.versions if deployment_name(name, v) in self._fleet.deployments]
+        for model in removed:
+            await self._remove(model, why)
+        log.info("model %s and its versions removed", name, extra={"model": name})
+        return removed
 
     # -- pipelines ------------------------------------------------------------------------------
 
@@ -212,7 +258,7 @@ class FleetEditor:
         """The file's pipelines whose models all serve; the others are reported, not served."""
         served = {}
         for name, plan in target.pipelines.items():
-            missing = [m for m in plan.models if m not in self._fleet.deployments]
+            missing = [m for m in plan.models if m not in self._fleet.deployments and m not in self.plan.routes]
             if missing:
                 report.pipelines[name] = f"not served: model(s) {', '.join(missing)} did not come in"
                 continue
@@ -221,6 +267,144 @@ class FleetEditor:
                                       "unchanged" if current.config == plan.config else "changed")
             served[name] = plan
         self._set_pipelines(served)
+
+    # -- versions -------------------------------------------------------------------------------
+
+    async def put_version(self, name: str, version: str, section: Mapping[str, Any], source: str) -> str:
+        """Add or change one version of a model with versions, from the version's whole section (a
+        model's section). A new version takes no traffic until the split gives it some. Returns
+        added, changed or unchanged."""
+        async with self._lock:
+            return await self._put_version(name, version, section, source)
+
+    async def delete_version(self, name: str, version: str) -> VersionRoute:
+        """Remove a version no request goes to (not the stable one, the mirror, or one with a
+        share of the traffic); what it accepted is answered. Returns the new route."""
+        async with self._lock:
+            return await self._delete_version(name, version)
+
+    async def set_traffic(self, name: str, change: TrafficChange, source: str = "traffic") -> VersionRoute:
+        """Change a model's split, stable version or mirror, whole (`TrafficChange`: what it
+        leaves None stays). Returns the new route; the same one when nothing changed."""
+        async with self._lock:
+            config = self._route_config(name)
+            try:
+                new = RouteConfig.model_validate(changed_route(
+                    config, weights=change.weights, stable=change.stable, mirror=change.mirror,
+                    mirror_percent=change.mirror_percent))
+            except (RouteProblems, ValidationError) as exc:
+                raise config_error(source, _route_lines(exc, source, name)) from None
+            if new != config:
+                self._set_route(name, new)
+                route = self.plan.routes[name]
+                log.info("model %s: traffic %s, stable %s, mirror %s (generation %d)", name, dict(route.weights),
+                         route.stable, route.mirror, route.generation, extra={"model": name})
+            return self.plan.routes[name]
+
+    def _route_config(self, name: str) -> RouteConfig:
+        """The route section of a model with versions; 409 for a model without, 404 for no model."""
+        config = self.plan.fleet.routes.get(name)
+        if config is not None:
+            return config
+        if name in self._fleet.deployments:
+            raise Conflict(f"model {name!r} has no versions: give it versions: in the fleet file and reload "
+                           "(docs/configuration.md, \"Versions and traffic splits\")")
+        known = ", ".join(sorted(self.plan.routes)) or "none"
+        raise ModelNotFound(f"no model with versions named {brief(name, 80)}; models with versions: {known}")
+
+    async def _put_version(self, name: str, version: str, section: Mapping[str, Any], source: str) -> str:
+        config = self._route_config(name)
+        if (problem := version_name_problem(version)) is not None:
+            raise ConfigError(f"{source}: {problem}")
+        model = deployment_name(name, version)
+        try:
+            ModelConfig.model_validate(dict(section))
+        except ValidationError as exc:
+            prefix = f"models.{name}.versions.{version}."
+            raise config_error(source, validation_problems(exc, source, ModelConfig, prefix=prefix)) from None
+        versions = config.versions if version in config.versions else [*config.versions, version]
+        fleet_data = self.plan.fleet.model_dump()
+        fleet_data["models"] = {**fleet_data["models"], model: dict(section)}
+        fleet_data["routes"] = {**fleet_data["routes"], name: {**config.model_dump(), "versions": versions}}
+        plan = self._resolve_models(self._validate(fleet_data, source), [model], source)
+        self._check_users(model, plan)
+        outcome = await self._apply(model, plan)
+        if outcome != "unchanged":
+            self._set_route(name, plan.fleet.routes[name])
+        return outcome
+
+    async def _delete_version(self, name: str, version: str) -> VersionRoute:
+        config = self._route_config(name)
+        if version not in config.versions:
+            raise ModelNotFound(f"model {name!r} has no version {brief(version, 40)}; versions: "
+                                f"{', '.join(config.versions)}")
+        if (problem := removal_problem(config, version)) is not None:
+            raise Conflict(f"model {name!r}: {problem}")
+        self._set_route(name, RouteConfig.model_validate({
+            **config.model_dump(), "versions": [v for v in config.versions if v != version],
+            "traffic": {v: w for v, w in config.traffic.items() if v != version}}))
+        await self._remove(deployment_name(name, version), "removed from the fleet")
+        log.info("model %s: version %s removed", name, version, extra={"model": name})
+        return self.plan.routes[name]
+
+    async def _put_routed(self, name: str, section: dict[str, Any], source: str) -> str:
+        """A model with versions, put whole: its versions added, changed or removed, and its route swapped."""
+        if name in self._fleet.deployments:
+            raise Conflict(f"model {name!r} has no versions: give it versions: in the fleet file and reload")
+        if not set(section) & set(ROUTE_KEYS):
+            raise Conflict(f"model {name!r} has versions: put its section with versions:, or one version as "
+                           f"the model {name}@<version>")
+        fleet_data = self.plan.fleet.model_dump()
+        fleet_data["models"] = {**{k: v for k, v in fleet_data["models"].items() if split_name(k)[0] != name},
+                                name: section}
+        fleet_data["routes"] = {k: v for k, v in fleet_data["routes"].items() if k != name}
+        fleet = self._validate(fleet_data, source)
+        plan = self._resolve_models(fleet, [deployment_name(name, v) for v in fleet.routes[name].versions], source)
+        self._check_users(name, plan)
+        outcome, _ = await self._apply_route(name, plan, source)
+        return outcome
+
+    async def _apply_route(self, name: str, target: FleetPlan, source: str) -> tuple[str, dict[str, str]]:
+        """Bring a model with versions to `target`'s: each version added or changed (a failure takes
+        back the versions just added and leaves the route as it was), then the route swapped, then
+        the versions it no longer has removed. Returns its outcome and each version's."""
+        config, current = target.fleet.routes[name], self.plan.fleet.routes.get(name)
+        outcomes: dict[str, str] = {}
+        for version in config.versions:
+            model = deployment_name(name, version)
+            plan = replace(self.plan, fleet=self.plan.fleet.model_copy(update={"models": {
+                **self.plan.fleet.models, model: target.fleet.models[model]}}),
+                models={**self.plan.models, model: target.models[model]})
+            try:
+                self._check_devices(model, target.fleet, source)
+                outcomes[model] = await self._apply(model, plan)
+            except Exception:
+                for added in (m for m, outcome in outcomes.items() if outcome == "added"):
+                    await self._remove(added, f"not added: another version of {name!r} failed")
+                raise
+        self._set_route(name, config)
+        gone = [v for v in (current.versions if current else []) if v not in config.versions]
+        for version in gone:
+            await self._remove(deployment_name(name, version), "removed from the fleet")
+            outcomes[deployment_name(name, version)] = "removed"
+        if name in self._fleet.deployments:  # it served without versions until now
+            await self._remove(name, "replaced by its versions")
+            outcomes[name] = "removed"
+        changed = current != config or any(outcome != "unchanged" for outcome in outcomes.values())
+        return ("added" if current is None else "changed" if changed else "unchanged"), outcomes
+
+    def _set_route(self, name: str, config: RouteConfig | None) -> None:
+        """Swap a name's route whole (None: it has none now); a changed one gets the next generation."""
+        routes = {k: v for k, v in self.plan.fleet.routes.items() if k != name or config is not None}
+        served = {k: v for k, v in self.plan.routes.items() if k != name}
+        if config is not None:
+            if self.plan.fleet.routes.get(name) == config and name in self.plan.routes:
+                return
+            generation = self._route_generations.get(name, 0) + 1
+            self._route_generations[name] = generation
+            routes[name] = config
+            served[name] = version_route(name, config, generation)
+        self.plan = replace(self.plan, fleet=self.plan.fleet.model_copy(update={"routes": routes}), routes=served)
 
     # -- the fleet file ---------------------------------------------------------------------------
 
@@ -232,13 +416,11 @@ class FleetEditor:
             gone = sorted(set(self.plan.pipelines) - set(target.pipelines))  # before the models they use
             self._set_pipelines({k: v for k, v in self.plan.pipelines.items() if k in target.pipelines})
             report.pipelines.update((name, "removed") for name in gone)
-            for name in sorted(set(self._fleet.deployments) - set(target.models)):
-                deployment = self._fleet.remove(name)
-                await self._retire(deployment, "removed", "removed from the fleet file")
-                report.removed.append(name)
-            self.plan = replace(self.plan, source=target.source, models={
-                k: v for k, v in self.plan.models.items() if k in target.models})
+            await self._reload_removals(target, report)
+            self.plan = replace(self.plan, source=target.source)
             for name in target.models:
+                if split_name(name)[0] in target.fleet.routes:
+                    continue  # a version: with its route, below
                 try:
                     self._check_devices(name, target.fleet, target.source)
                     plan = replace(self.plan, fleet=self.plan.fleet.model_copy(update={"models": {
@@ -250,8 +432,36 @@ class FleetEditor:
                     report.errors[name] = str(exc)
                     continue
                 getattr(report, outcome).append(name)
+                if name in self.plan.routes:  # it had versions; it serves without them now
+                    report.removed.extend(await self._drop_route(name, "its model has no versions in the fleet file"))
+                    report.routes[name] = "removed"
+            await self._reload_routes(target, report)
             self._reload_pipelines(target, report)
             return report
+
+    async def _reload_removals(self, target: FleetPlan, report: ReloadReport) -> None:
+        """Remove the models, and the models with versions, whose names the fleet file no longer has.
+        A name that changes between with and without versions is replaced later, once the other form serves."""
+        names = {split_name(model)[0] for model in target.models}
+        for name in [name for name in self.plan.routes if name not in names]:
+            report.removed.extend(await self._drop_route(name, "removed from the fleet file"))
+            report.routes[name] = "removed"
+        for name in sorted(self._fleet.deployments):
+            if split_name(name)[1] is None and name not in names:
+                await self._remove(name, "removed from the fleet file")
+                report.removed.append(name)
+
+    async def _reload_routes(self, target: FleetPlan, report: ReloadReport) -> None:
+        for name in target.fleet.routes:
+            try:
+                outcome, models = await self._apply_route(name, target, target.source)
+            except Exception as exc:  # noqa: BLE001  # one model's failure never stops the others
+                log.error("reload: model %s: %s", name, exc, extra={"model": name})
+                report.errors[name] = str(exc)
+                continue
+            report.routes[name] = outcome
+            for model, model_outcome in models.items():
+                getattr(report, model_outcome).append(model)
 
     def _device_warnings(self, fleet: FleetConfig) -> list[str]:
         warnings = []
@@ -267,13 +477,21 @@ class FleetEditor:
         """Validate one model's section against the serving fleet's settings and resolve its plugin."""
         fleet_data = self.plan.fleet.model_dump()
         fleet_data["models"] = {**fleet_data["models"], name: section}
+        return self._resolve_models(self._validate(fleet_data, source), [name], source)
+
+    @staticmethod
+    def _validate(fleet_data: dict[str, Any], source: str) -> FleetConfig:
         try:
-            fleet = FleetConfig.model_validate(fleet_data)
+            return FleetConfig.model_validate(fleet_data)
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc, source, FleetConfig)) from exc
-        self._check_devices(name, fleet, source)
-        subset = fleet.model_copy(update={"models": {name: fleet.models[name]}})
-        registry = PluginRegistry.from_entry_points(only={fleet.models[name].plugin})
+
+    def _resolve_models(self, fleet: FleetConfig, names: list[str], source: str) -> FleetPlan:
+        """The serving plan with `fleet` and these of its models' plugins resolved (their devices must serve here)."""
+        for name in names:
+            self._check_devices(name, fleet, source)
+        subset = fleet.model_copy(update={"models": {name: fleet.models[name] for name in names}, "routes": {}})
+        registry = PluginRegistry.from_entry_points(only={fleet.models[name].plugin for name in names})
         resolved = resolve_fleet(subset, registry, source)
         return replace(self.plan, fleet=fleet, models={**self.plan.models, **resolved.models})
 
@@ -376,3 +594,12 @@ class FleetEditor:
         await self._unload(deployment, kind, why)
         if detach:
             self._fleet.detach(deployment)
+
+
+def _route_lines(error: RouteProblems | ValidationError, source: str, name: str) -> list[str]:
+    """One line per problem of a changed route, under the key the fleet file gives it (`models.{name}.traffic.3`)."""
+    found = [error] if isinstance(error, RouteProblems) else [
+        e for item in error.errors() if isinstance(e := (item.get("ctx") or {}).get("error"), RouteProblems)]
+    if not found:
+        return validation_problems(error, source, RouteConfig, prefix=f"models.{name}.")  # type: ignore[arg-type]
+    return [f"{source}: models.{name}.{'.'.join(key)}: {message}" for problems in found for key, message in problems.problems]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from dataclasses import field as dataclass_field
 from fnmatch import fnmatch
 from pathlib import Path
@@ -16,16 +16,17 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel, ValidationError
 
-from router.config import SECRET_LOOKING, FleetConfig, config_error, load_fleet, validation_problems
+from router.config import SECRET_LOOKING, FleetConfig, RouteConfig, config_error, load_fleet, validation_problems
 from router.errors import UnknownPlugin, brief, clip
 from router.pipeline_config import PipelineConfig, StepConfig
 from router.sdk.plugin import PluginContext
 from router.sdk.transforms import Transform
 from router.serving.registry import PluginInfo, PluginRegistry
 from router.serving.transforms import TransformRegistry
+from router.serving.versions import VersionRoute, deployment_name, split_name
 
 __all__ = ["FleetPlan", "ModelPlan", "PipelinePlan", "load_plan", "option_keys", "pipeline_transforms", "plan_pipeline",
-           "resolve_fleet", "resolve_pipelines"]
+           "resolve_fleet", "resolve_pipelines", "version_route"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,8 @@ class ModelPlan:
 @dataclass(frozen=True)
 class PipelinePlan:
     """A pipeline checked against the fleet: its steps, the models it uses (through the pipelines
-    it names too) and the model its requests enter by."""
+    it names too) and the model its requests enter by. A model with versions is listed by its name:
+    each item is routed to a version as it goes."""
 
     name: str
     config: PipelineConfig
@@ -63,10 +65,14 @@ class FleetPlan:
     fleet: FleetConfig
     models: dict[str, ModelPlan]
     pipelines: dict[str, PipelinePlan] = dataclass_field(default_factory=dict)
+    routes: dict[str, VersionRoute] = dataclass_field(default_factory=dict)  # the names of models with versions
 
     def users_of(self, model: str) -> list[str]:
-        """The pipelines that use `model` (directly or through another pipeline)."""
-        return sorted(name for name, plan in self.pipelines.items() if model in plan.models)
+        """The pipelines that use `model` (directly or through another pipeline); a version
+        (`resnet18@2`) is used by the pipelines that use its name."""
+        name, version = split_name(model)
+        routed = version is not None and name in self.routes
+        return sorted(p for p, plan in self.pipelines.items() if model in plan.models or routed and name in plan.models)
 
     def describe(self) -> dict[str, Any]:
         """The resolved plan as plain data (printed by `model-router check`)."""
@@ -96,7 +102,23 @@ class FleetPlan:
             "devices": devices,
             "models": models,
             "pipelines": {name: plan.describe() for name, plan in self.pipelines.items()},
+            "routes": {name: _describe_route(route, self.fleet.routes.get(name)) for name, route in self.routes.items()},
         }
+
+
+def version_route(name: str, config: RouteConfig, generation: int = 1) -> VersionRoute:
+    """The route a fleet file's section gives a name with versions."""
+    mirror = config.mirror
+    return VersionRoute(name, tuple(config.versions), config.stable, dict(config.traffic),
+                        mirror.version if mirror else None, mirror.percent if mirror else 0.0, generation)
+
+
+def _describe_route(route: VersionRoute, config: RouteConfig | None) -> dict[str, Any]:
+    rollout = config.rollout if config is not None else None
+    return {"versions": {v: route.deployment(v) for v in route.versions}, "stable": route.stable,
+            "traffic": dict(route.weights), "mirror": {"version": route.mirror, "percent": route.mirror_percent}
+            if route.mirror else None, "rollout": rollout.model_dump(mode="json") if rollout else None,
+            "generation": route.generation}
 
 
 def option_keys(schema: type[BaseModel]) -> list[str]:
@@ -154,7 +176,7 @@ def resolve_fleet(fleet: FleetConfig, registry: PluginRegistry, source: str = "f
         models[name] = ModelPlan(name, info, options, tuple(context.resolved))
     if problems:
         raise config_error(source, problems)
-    return FleetPlan(source, fleet, models)
+    return FleetPlan(source, fleet, models, routes={name: version_route(name, route) for name, route in fleet.routes.items()})
 
 
 def load_plan(config_path: Path, registry: PluginRegistry | None = None,
@@ -169,7 +191,7 @@ def load_plan(config_path: Path, registry: PluginRegistry | None = None,
     if not fleet.pipelines:
         return plan
     pipelines = resolve_pipelines(fleet, plan.models, transforms or pipeline_transforms(fleet), str(config_path))
-    return FleetPlan(plan.source, fleet, plan.models, pipelines)
+    return replace(plan, pipelines=pipelines)
 
 
 def pipeline_transforms(fleet: FleetConfig) -> TransformRegistry:
@@ -246,7 +268,7 @@ class _PipelineCheck:
 
     def problems(self) -> list[str]:
         key = f"{self.source}: pipelines.{self.name}"
-        if self.name in self.fleet.models:
+        if self.name in self.fleet.models or self.name in self.fleet.routes:
             return [(f"{key}: a model is named {self.name!r} too; models and pipelines share one name "
                      "(POST /models/{name}/predict): rename one")]
         problems = [f"{key}.steps[{i}].{message}" for i, step in enumerate(self.config.steps)
@@ -258,7 +280,8 @@ class _PipelineCheck:
         steps = self.config.steps
         for index in range(1, len(steps), 2):
             problems += [f"{key}.steps[{index}]: {p}" for p in self._fits(steps[index - 1], steps[index], steps[index + 1])]
-        levels = {m: self.fleet.models[m].queue.priority_levels for m in sorted(_models_used(self.name, self.fleet.pipelines))}
+        used = [d for m in sorted(_models_used(self.name, self.fleet.pipelines)) for d in self._deployments(m)]
+        levels = {m: self.fleet.models[m].queue.priority_levels for m in used}
         if len(set(levels.values())) > 1:
             shown = ", ".join(f"{m}: {n}" for m, n in levels.items())
             problems.append(f"{key}: its models have different queue.priority_levels ({shown}); X-Priority carries "
@@ -267,8 +290,8 @@ class _PipelineCheck:
 
     def _unknown(self, step: StepConfig) -> str | None:
         """`key: why` when a step's name or options are not accepted."""
-        if step.kind == "model" and step.name not in self.fleet.models:
-            return "model: " + _no_such("model", step.name, list(self.fleet.models))
+        if step.kind == "model" and step.name not in self.fleet.models and step.name not in self.fleet.routes:
+            return "model: " + _no_such("model", step.name, [*self.fleet.models, *self.fleet.routes])
         if step.kind == "pipeline" and step.name not in self.fleet.pipelines:
             return "pipeline: " + _no_such("pipeline", step.name, list(self.fleet.pipelines))
         if step.kind != "transform":
@@ -283,26 +306,39 @@ class _PipelineCheck:
         info = self.transforms.get(transform.name)
         assert info is not None
         cls, problems = info.cls, []
-        entry_before, entry_after = self._model_of(before), self._model_of(after)
-        answers = self.models[entry_before].plugin.cls.answers
-        if cls.needs is not None and answers is not None and answers != cls.needs:
-            problems.append(f"transform {transform.name} reads the answer of a model that answers {cls.needs}; "
-                            f"{before.describe()} answers {answers} (plugin {self.models[entry_before].plugin.name})")
-        if cls.gives == "image" and not _takes_images(self.models[entry_before].plugin):
-            problems.append(f"transform {transform.name} passes on the image {before.describe()} took, but it takes "
-                            f"{', '.join(self.models[entry_before].plugin.cls.accepts)}")
-        plugin = self.models[entry_after].plugin
-        takes = _takes_images(plugin) if cls.gives == "image" else any(
-            fnmatch("application/json", pattern.lower()) for pattern in plugin.cls.accepts)
-        if not takes:
-            wanted = "image/*" if cls.gives == "image" else "application/json"
-            problems.append(f"transform {transform.name} gives {cls.gives}s, for a model that accepts {wanted}; "
-                            f"{after.describe()} accepts {', '.join(plugin.cls.accepts)} (plugin {plugin.name})")
+        for shown, plugin in self._plugins(before):
+            answers = plugin.cls.answers
+            if cls.needs is not None and answers is not None and answers != cls.needs:
+                problems.append(f"transform {transform.name} reads the answer of a model that answers {cls.needs}; "
+                                f"{shown} answers {answers} (plugin {plugin.name})")
+            if cls.gives == "image" and not _takes_images(plugin):
+                problems.append(f"transform {transform.name} passes on the image {shown} took, but it takes "
+                                f"{', '.join(plugin.cls.accepts)}")
+        for shown, plugin in self._plugins(after):
+            takes = _takes_images(plugin) if cls.gives == "image" else any(
+                fnmatch("application/json", pattern.lower()) for pattern in plugin.cls.accepts)
+            if not takes:
+                wanted = "image/*" if cls.gives == "image" else "application/json"
+                problems.append(f"transform {transform.name} gives {cls.gives}s, for a model that accepts {wanted}; "
+                                f"{shown} accepts {', '.join(plugin.cls.accepts)} (plugin {plugin.name})")
         return problems
 
     def _model_of(self, step: StepConfig) -> str:
         """The model a step's input goes to first (a pipeline step's entry model)."""
         return step.name if step.kind == "model" else _entry(step.name, self.fleet.pipelines) or ""
+
+    def _deployments(self, model: str) -> list[str]:
+        """The models that serve a name: its versions' for a model with versions, else its own."""
+        route = self.fleet.routes.get(model)
+        return [deployment_name(model, v) for v in route.versions] if route is not None else [model]
+
+    def _plugins(self, step: StepConfig) -> list[tuple[str, PluginInfo]]:
+        """The plugin of each model a step's input can go to first, with how a message shows it:
+        every version's, for a model with versions (each item may be routed to any of them)."""
+        model = self._model_of(step)
+        shown = step.describe()
+        return [(shown if deployment == model else f"{shown} (version {split_name(deployment)[1]})",
+                 self.models[deployment].plugin) for deployment in self._deployments(model)]
 
 
 def _takes_images(plugin: PluginInfo) -> bool:
