@@ -30,6 +30,7 @@ __all__ = [
     "ModelError",
     "ModelNotFound",
     "ModelUnavailable",
+    "NoSpareCapacity",
     "Overloaded",
     "PayloadTooLarge",
     "PluginValidationError",
@@ -161,6 +162,13 @@ class QueueFull(Overloaded):
 
 class ShuttingDown(Overloaded):
     outcome = "rejected_shutdown"
+
+
+class NoSpareCapacity(Overloaded):
+    """A mirrored (shadow) copy found no spare capacity: real requests wait on its model or device,
+    or one took its place in the queue. Nobody retries it; it is never a user's failure."""
+
+    outcome = "shed"
 
 
 class ModelUnavailable(Overloaded):

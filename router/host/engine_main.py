@@ -52,6 +52,9 @@ class EngineEvents:
     def observe_answer(self, model: str, seconds: float, deadline_s: float) -> None:
         pass
 
+    def observe_mirror(self, model: str, outcome: str) -> None:
+        pass  # the fronts count mirrored copies, as they count requests
+
     def observe_batch(self, model: str, size: int, seconds: float) -> None:
         self.metrics.observe_batch(model, size, seconds)
 

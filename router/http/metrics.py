@@ -85,6 +85,10 @@ class RouterMetrics:
             "model_router_answers_within_deadline", "Requests answered 200 within their deadline (the SLO's numerator).",
             ["model"], registry=registry,
         )
+        self.mirror_requests = Counter(
+            "model_router_mirror_requests", "Mirrored (shadow) copies by model and outcome (admitted, served, shed, "
+            "failed, expired); never counted in model_router_requests_total.", ["model", "outcome"], registry=registry,
+        )
         self.engine_messages = Counter(
             "model_router_engine_messages", "Messages the engine process received from the fronts, by kind (submit, "
             "cancel, call, lags): a refusal a front answers itself never shows here.", ["kind"], registry=registry,
@@ -160,6 +164,9 @@ class RouterMetrics:
 
     def observe_queue_wait(self, model: str, seconds: float) -> None:
         self._child(self.queue_wait, model).observe(seconds)
+
+    def observe_mirror(self, model: str, outcome: str) -> None:
+        self._child(self.mirror_requests, model, outcome).inc()
 
     def observe_load(self, model: str, device: str, seconds: float, ok: bool) -> None:
         self.loads.labels(model, device, "ok" if ok else "failed").inc()

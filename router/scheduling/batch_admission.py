@@ -3,6 +3,10 @@
 No I/O, no clock, no locks. The device scheduler gathers the inputs, calls `admit_batches`,
 and dispatches the batches it admits. (Requests meet the deadline gate earlier, in
 `router.scheduling.service_time`; this rule is about memory.)
+
+Mirrored copies (shadow candidates) take only spare capacity: a batch of them is admitted only when
+no real item waits on the device (`DeviceState.real_waiting`) and no real candidate is offered, and
+never holds back a real batch.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["AdmittedBatch", "BatchAdmission", "Candidate", "DeviceState", "admit_batches", "fits"]
+__all__ = ["AdmittedBatch", "BatchAdmission", "Candidate", "DeviceState", "admit_batches", "fits", "spare_only"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,7 @@ class Candidate:
     model_budget: int | None  # bytes for weights + running batches; None = only the device budget
     model_bytes: int  # weights + running reservations of this model on the device
     share: float  # device-seconds served / weight; lower goes first
+    shadow: bool = False  # a batch of mirrored copies (`queued` counts those alone); never beside real items
 
     def batch_bytes(self, n: int) -> int:
         return self.fixed_bytes + n * self.per_item_bytes
@@ -41,6 +46,7 @@ class DeviceState:
     paused: bool = False  # the previous admission's pause state (hysteresis)
     running_batches: int = 0  # batches running on the device now
     max_concurrent_batches: int | None = None  # None: as many as memory allows
+    real_waiting: int = 0  # real items queued or being prepared on the device: mirrored batches wait
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class AdmittedBatch:
     instance: str
     size: int
     reserve_bytes: int
+    shadow: bool = False  # mirrored copies only
 
 
 @dataclass(frozen=True)
@@ -83,10 +90,16 @@ def _paused(device: DeviceState) -> bool:
     return share >= device.high_watermark
 
 
+def spare_only(candidates: Sequence[Candidate], device: DeviceState) -> list[Candidate]:
+    """The candidates that may go: mirrored ones only while no real item waits on the device."""
+    real = [c for c in candidates if not c.shadow]
+    return real if real or device.real_waiting > 0 else list(candidates)
+
+
 def admit_batches(candidates: Sequence[Candidate], device: DeviceState) -> BatchAdmission:
     """Admit batches while reading + reservations + estimate stays within the device budget and
     each model's budget, and while fewer than `max_concurrent_batches` run. Fair order by `share`;
-    a head that cannot fit blocks those behind it."""
+    a head that cannot fit blocks those behind it. Mirrored candidates only in spare capacity."""
     if device.used_bytes is None:
         return BatchAdmission(paused=True, reason="memory probe unavailable; admission paused")
     if _paused(device):
@@ -96,11 +109,12 @@ def admit_batches(candidates: Sequence[Candidate], device: DeviceState) -> Batch
     if slots is not None and slots <= 0:
         return BatchAdmission(reason=f"{device.running_batches} batch(es) running, the device's limit is {limit}")
     free = device.budget_bytes - device.used_bytes - device.reserved_bytes
-    left = {c.model: c.queued for c in candidates}
+    candidates = spare_only(candidates, device)
+    left = {(c.model, c.shadow): c.queued for c in candidates}
     booked = {c.model: c.model_bytes for c in candidates}
     admits: list[AdmittedBatch] = []
     for c in sorted(candidates, key=lambda c: (c.share, c.model, c.instance)):
-        want = min(c.max_batch, left[c.model])
+        want = min(c.max_batch, left[c.model, c.shadow])
         if want <= 0:
             continue
         model_room = None if c.model_budget is None else c.model_budget - booked[c.model]
@@ -110,9 +124,9 @@ def admit_batches(candidates: Sequence[Candidate], device: DeviceState) -> Batch
                 continue  # held back by its own budget only: others may go
             return BatchAdmission(admits, blocked=c.model, reason=f"{c.model}: batch of 1 waits for device memory")
         need = c.batch_bytes(n)
-        admits.append(AdmittedBatch(c.model, c.instance, n, need))
+        admits.append(AdmittedBatch(c.model, c.instance, n, need, c.shadow))
         free -= need
-        left[c.model] -= n
+        left[c.model, c.shadow] -= n
         booked[c.model] += need
         if slots is not None and len(admits) == slots:
             return BatchAdmission(admits, reason=f"the device's limit of {limit} concurrent batch(es) is reached")

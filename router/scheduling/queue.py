@@ -6,6 +6,11 @@ event loop, so tests drive it with an injected clock.
 A ticket is answered once, with an outcome: `Served` (the output, the facts of the batch it rode,
 and the `Lease` that keeps the instance that ran it in use until its caller ends it) or `Refused`
 (the error). Whoever queued the ticket gave it the function its outcome goes to (`Ticket.reply`).
+
+A mirrored copy (`Ticket.shadow`) waits in a lane below every priority level: it is batched only
+from that lane (never beside a real item, and only when its scheduler finds no real item waiting),
+and a real request that finds the queue full takes the place of the oldest queued copy, which is
+answered `NoSpareCapacity` at once.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Any
 import msgspec
 
 from router.config import BatchPolicy
-from router.errors import PayloadTooLarge, QueueFull
+from router.errors import NoSpareCapacity, PayloadTooLarge, QueueFull
 from router.tracing.api import SpanRef
 
 __all__ = ["BatchFacts", "BatchResult", "DrainRate", "Lease", "ModelQueue", "Outcome", "Refused", "Served", "Ticket",
@@ -49,6 +54,7 @@ class Ticket:
     # Tracing: a value, not a live span, so that it can cross to a process where the batch runs.
     trace: SpanRef | None = None  # the sampled request's span, which its batch span links to
     answered: bool = False  # or abandoned: nobody reads an outcome of it any more
+    shadow: bool = False  # a mirrored copy: below every priority level, shed first, never a user's answer
 
     def abandon(self) -> None:
         """Nobody reads this ticket's outcome any more (its caller went away, or its deadline
@@ -201,10 +207,12 @@ class DrainRate:
 
 
 class ModelQueue:
-    """Bounded, priority-ordered (higher first), FIFO within a priority level.
+    """Bounded, priority-ordered (higher first), FIFO within a priority level; mirrored copies wait
+    in a lane of their own below every level.
 
     Capacity counts queued tickets plus slots reserved by requests still being preprocessed,
-    so a burst cannot pile up unbounded work in front of the queue.
+    so a burst cannot pile up unbounded work in front of the queue. A real request's room leaves
+    mirrored copies out: when it needs their room, the oldest queued copy gives it up (`_shed_for_room`).
     Withdrawn tickets are removed lazily and compacted when they pile up.
     """
 
@@ -213,54 +221,129 @@ class ModelQueue:
         self.max_size = max_size
         self.priority_levels = priority_levels
         self._levels: list[deque[Ticket]] = [deque() for _ in range(priority_levels)]
+        self._shadow: deque[Ticket] = deque()  # mirrored copies, oldest first
         self._live = 0
+        self._shadow_live = 0
         self._pending = 0
+        self._shadow_pending = 0
         self._dead = 0
         self.drain = DrainRate()
         self.on_room: Callable[[], None] | None = None  # called whenever occupancy falls: room was freed
 
     @property
     def depth(self) -> int:
-        """Tickets waiting to be batched."""
+        """Tickets waiting to be batched, mirrored copies included."""
         return self._live
+
+    @property
+    def real_depth(self) -> int:
+        """Real (not mirrored) tickets waiting to be batched."""
+        return self._live - self._shadow_live
+
+    @property
+    def shadow_depth(self) -> int:
+        """Mirrored copies waiting to be batched."""
+        return self._shadow_live
 
     @property
     def occupancy(self) -> int:
         """Queued tickets plus reserved slots; compared with max_size."""
-        return self._live + self._pending
+        return self._live + self._pending + self._shadow_pending
 
-    def check_room(self, now: float, items: int = 1) -> None:
-        """Raise QueueFull if `items` requests cannot all be taken now; PayloadTooLarge if they never can."""
+    @property
+    def real_occupancy(self) -> int:
+        """Real tickets queued plus slots reserved for real ones: what a real request's room counts."""
+        return self._live - self._shadow_live + self._pending
+
+    @property
+    def shadow_occupancy(self) -> int:
+        """Mirrored copies queued or being prepared."""
+        return self._shadow_live + self._shadow_pending
+
+    def check_room(self, now: float, items: int = 1, *, shadow: bool = False) -> None:
+        """Raise QueueFull if `items` real requests cannot all be taken now (NoSpareCapacity for
+        mirrored copies, which count everything); PayloadTooLarge if they never can."""
         if items > self.max_size:
             raise PayloadTooLarge(f"model {self.name!r} queues at most {self.max_size} requests; "
                                   f"{items} items in one request can never fit")
-        if self.occupancy + items > self.max_size:
-            room = f"room for {self.max_size - self.occupancy} of {items} items" if items > 1 else f"{self.max_size} requests"
+        if shadow:
+            if self.occupancy + items > self.max_size:
+                raise NoSpareCapacity(f"model {self.name!r}: no room in its queue for a mirrored copy")
+            return
+        occupancy = self.real_occupancy
+        if occupancy + items > self.max_size:
+            room = f"room for {self.max_size - occupancy} of {items} items" if items > 1 else f"{self.max_size} requests"
             raise QueueFull(
                 f"model {self.name!r} queue is full ({room}); retry later",
                 retry_after_s=self.retry_after_s(now),
             )
 
-    def reserve_slot(self, now: float) -> None:
-        """Claim capacity for a request about to be preprocessed. Raises QueueFull at once."""
-        self.check_room(now)
+    def reserve_slot(self, now: float, *, shadow: bool = False) -> None:
+        """Claim capacity for a request about to be preprocessed. Raises QueueFull (NoSpareCapacity
+        for a mirrored copy) at once; a real request may shed a queued copy to make its room."""
+        self.check_room(now, shadow=shadow)
+        if shadow:
+            self._shadow_pending += 1
+            return
         self._pending += 1
+        self._shed_for_room()
 
-    def release_slot(self) -> None:
-        self._pending = max(0, self._pending - 1)
+    def release_slot(self, *, shadow: bool = False) -> None:
+        if shadow:
+            self._shadow_pending = max(0, self._shadow_pending - 1)
+        else:
+            self._pending = max(0, self._pending - 1)
         self._freed()
 
     def put(self, ticket: Ticket, *, reserved: bool = False) -> None:
-        """Queue a ticket, converting a reserved slot if the caller holds one."""
+        """Queue a ticket, converting a reserved slot if the caller holds one. A mirrored copy that
+        real requests crowded out while it was prepared is refused (NoSpareCapacity), its reserved
+        slot still the caller's to give back (`release_slot`)."""
+        if ticket.shadow:
+            self._put_shadow(ticket, reserved)
+            return
         if reserved:
             self._pending = max(0, self._pending - 1)
         else:
             self.check_room(ticket.arrived_at)
-        if not 1 <= ticket.priority <= self.priority_levels:
-            raise ValueError(f"priority must be in 1..{self.priority_levels}, got {ticket.priority}")
+        self._check_priority(ticket)
         ticket.state = TicketState.QUEUED
         self._levels[ticket.priority - 1].append(ticket)
         self._live += 1
+        if not reserved:
+            self._shed_for_room()
+
+    def _put_shadow(self, ticket: Ticket, reserved: bool) -> None:
+        self._check_priority(ticket)
+        if not reserved:
+            self.check_room(ticket.arrived_at, shadow=True)
+        elif self.occupancy > self.max_size:
+            raise NoSpareCapacity(f"model {self.name!r}: real requests took the queue's room while a mirrored "
+                                  "copy was prepared")
+        else:
+            self._shadow_pending = max(0, self._shadow_pending - 1)
+        ticket.state = TicketState.QUEUED
+        self._shadow.append(ticket)
+        self._live += 1
+        self._shadow_live += 1
+
+    def _check_priority(self, ticket: Ticket) -> None:
+        if not 1 <= ticket.priority <= self.priority_levels:
+            raise ValueError(f"priority must be in 1..{self.priority_levels}, got {ticket.priority}")
+
+    def _shed_for_room(self) -> None:
+        """Over the bound after a real request came in: queued mirrored copies give up their room,
+        oldest first, each answered NoSpareCapacity (copies still being prepared are refused at `put`)."""
+        while self.occupancy > self.max_size and self._shadow_live:
+            ticket = self._shadow.popleft()
+            if ticket.state is not TicketState.QUEUED:
+                self._dead -= 1
+                continue
+            ticket.state = TicketState.WITHDRAWN
+            self._live -= 1
+            self._shadow_live -= 1
+            reject(ticket, NoSpareCapacity(f"model {self.name!r}: a real request took the queue slot of this "
+                                           "mirrored copy; it was not run"))
 
     def withdraw(self, ticket: Ticket) -> bool:
         """Remove a queued ticket (deadline passed, client gone). False if it was already dispatched."""
@@ -268,6 +351,8 @@ class ModelQueue:
             return False
         ticket.state = TicketState.WITHDRAWN
         self._live -= 1
+        if ticket.shadow:
+            self._shadow_live -= 1
         self._dead += 1
         if self._dead > max(64, self._live):
             self._compact()
@@ -276,21 +361,23 @@ class ModelQueue:
 
     def withdraw_all(self) -> list[Ticket]:
         """Withdraw every queued ticket (the model is going away), oldest first, to be answered."""
-        tickets = sorted((t for level in self._levels for t in level if t.state is TicketState.QUEUED),
+        tickets = sorted((t for lane in self._lanes() for t in lane if t.state is TicketState.QUEUED),
                          key=lambda t: t.arrived_at)
         for ticket in tickets:
             self.withdraw(ticket)
         return tickets
 
-    def take_viable(self, n: int, now: float, horizon_s: float) -> tuple[list[Ticket], list[Ticket]]:
-        """Dispatch up to n tickets: highest priority first, oldest first within a level. Tickets whose
-        deadline falls before `now + horizon_s` (the batch would finish too late for them) are
-        withdrawn instead and returned second, to be answered 504."""
+    def take_viable(self, n: int, now: float, horizon_s: float, *,
+                    shadow: bool = False) -> tuple[list[Ticket], list[Ticket]]:
+        """Dispatch up to n tickets: highest priority first, oldest first within a level; with
+        `shadow`, mirrored copies only (never both in one batch). Tickets whose deadline falls
+        before `now + horizon_s` (the batch would finish too late for them) are withdrawn instead
+        and returned second, to be answered 504."""
         batch: list[Ticket] = []
         doomed: list[Ticket] = []
-        for level in reversed(self._levels):
-            while level and len(batch) < n:
-                ticket = level.popleft()
+        for lane in ([self._shadow] if shadow else reversed(self._levels)):
+            while lane and len(batch) < n:
+                ticket = lane.popleft()
                 if ticket.state is not TicketState.QUEUED:
                     self._dead -= 1
                     continue
@@ -302,9 +389,12 @@ class ModelQueue:
                 batch.append(ticket)
             if len(batch) >= n:
                 break
-        self._live -= len(batch) + len(doomed)
-        if batch or doomed:
-            self.drain.record(now, len(batch) + len(doomed))
+        taken = len(batch) + len(doomed)
+        self._live -= taken
+        if shadow:
+            self._shadow_live -= taken
+        if taken:
+            self.drain.record(now, taken)
             self._freed()
         return batch, doomed
 
@@ -312,31 +402,37 @@ class ModelQueue:
         if self.on_room is not None:
             self.on_room()
 
-    def oldest_arrival(self) -> float | None:
-        """Arrival time of the oldest live ticket: the start of the forming batch's delay."""
+    def _lanes(self) -> list[deque[Ticket]]:
+        return [*self._levels, self._shadow]
+
+    def oldest_arrival(self, *, shadow: bool = False) -> float | None:
+        """Arrival time of the oldest live ticket (of the mirrored lane, with `shadow`): the start of
+        the forming batch's delay."""
         oldest: float | None = None
-        for level in self._levels:
+        for level in ([self._shadow] if shadow else self._levels):
             self._drop_dead_head(level)
             if level and (oldest is None or level[0].arrived_at < oldest):
                 oldest = level[0].arrived_at
         return oldest
 
-    def due_at(self, policy: BatchPolicy, max_batch: int | None = None) -> float | None:
-        """When the forming batch must go: at once if full, else max_delay after its first arrival."""
-        if self._live == 0:
+    def due_at(self, policy: BatchPolicy, max_batch: int | None = None, *, shadow: bool = False) -> float | None:
+        """When the forming batch of real tickets (of mirrored copies, with `shadow`) must go: at
+        once if full, else max_delay after its first arrival."""
+        count = self.shadow_depth if shadow else self.real_depth
+        if count == 0:
             return None
-        oldest = self.oldest_arrival()
+        oldest = self.oldest_arrival(shadow=shadow)
         assert oldest is not None
-        if self._live >= (max_batch or policy.max_size):
+        if count >= (max_batch or policy.max_size):
             return oldest
         return oldest + policy.max_delay_s
 
     def retry_after_s(self, now: float) -> float:
-        """Seconds until the queue has likely drained enough to take one more request."""
+        """Seconds until the queue has likely drained enough to take one more real request."""
         rate = self.drain.per_second(now)
         if not rate:
             return 1.0
-        return min(60.0, max(1.0, self.occupancy / rate))
+        return min(60.0, max(1.0, self.real_occupancy / rate))
 
     def _drop_dead_head(self, level: deque[Ticket]) -> None:
         while level and level[0].state is not TicketState.QUEUED:
@@ -346,4 +442,5 @@ class ModelQueue:
     def _compact(self) -> None:
         for index, level in enumerate(self._levels):
             self._levels[index] = deque(t for t in level if t.state is TicketState.QUEUED)
+        self._shadow = deque(t for t in self._shadow if t.state is TicketState.QUEUED)
         self._dead = 0

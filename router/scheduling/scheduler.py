@@ -4,6 +4,10 @@ The decision is `admit_batches` (pure). This module is the thin loop around it: 
 inputs, read the probe, carry out the plan, and sleep until the next batch is due or something
 changes. It sees models and instances only through the `Model` and `Runner` protocols below,
 so tests drive it with fakes, and the serving layer above it is free to change.
+
+Mirrored copies (shadow tickets) take only spare capacity: while any real item waits in a queue of
+the device (`real_waiting`), only real batches are offered; copies are offered, as batches of
+their own, once none does, and meanwhile stay queued until their deadline or a real one's room.
 """
 
 from __future__ import annotations
@@ -241,18 +245,28 @@ class DeviceScheduler:
             wake_at = idle_due if wake_at is None else min(wake_at, idle_due)
         return wake_at
 
+    def queues(self) -> list[ModelQueue]:
+        """The queues of the models on this device, each once."""
+        return list({id(model.queue): model.queue for model, _ in self._members}.values())
+
+    def real_waiting(self) -> int:
+        """Real items queued or being prepared in the queues of the models on this device."""
+        return sum(queue.real_occupancy for queue in self.queues())
+
     def _admit(self) -> float | None:
         now = self.clock()
+        real_waiting = self.real_waiting()
+        shadow = real_waiting == 0  # mirrored copies only when no real item waits on the device
         candidates: list[Candidate] = []
         next_due: float | None = None
         for model, runner in self._members:
             if not runner.schedulable:
                 continue
-            due = model.queue.due_at(model.batch_policy, runner.max_batch)
+            due = model.queue.due_at(model.batch_policy, runner.max_batch, shadow=shadow)
             if due is None:
                 continue
             if due <= now:
-                candidates.append(self._candidate(model, runner.key, runner.estimate, runner.max_batch))
+                candidates.append(self._candidate(model, runner.key, runner.estimate, runner.max_batch, shadow))
             elif next_due is None or due < next_due:
                 next_due = due
         if not candidates:
@@ -261,12 +275,12 @@ class DeviceScheduler:
             return next_due
         # Reservations cover what was admitted since; the live reading may be up to one poll old.
         reading = self._read(max_age_s=self.config.poll_interval_ms / 1000.0)
-        admission = admit_batches(candidates, self._device_state(reading=reading))
+        admission = admit_batches(candidates, self._device_state(reading=reading, real_waiting=real_waiting))
         self._record_admission(admission)
         by_key = {runner.key: (model, runner) for model, runner in self._members}
         for batch in admission.admits:
             model, runner = by_key[batch.instance]
-            self._dispatch(model, runner, batch.size, now)
+            self._dispatch(model, runner, batch.size, now, shadow=batch.shadow)
         if admission.paused or admission.blocked:
             poll = now + self.config.poll_interval_ms / 1000.0
             next_due = poll if next_due is None else min(next_due, poll)
@@ -295,7 +309,7 @@ class DeviceScheduler:
         self.last_reading = reading
         return reading
 
-    def _device_state(self, reading: MemoryReading | None = None) -> DeviceState:
+    def _device_state(self, reading: MemoryReading | None = None, real_waiting: int = 0) -> DeviceState:
         used = reading.used_bytes if reading is not None else None
         if reading is None and self.probe is None:
             used = self.ledger.weights_bytes
@@ -308,19 +322,23 @@ class DeviceScheduler:
             paused=self.paused,
             running_batches=self._active,
             max_concurrent_batches=self.config.concurrent_batch_limit(self.device),
+            real_waiting=real_waiting,
         )
 
-    def _candidate(self, model: Model, key: str, estimate: MemoryEstimate | None, max_batch: int) -> Candidate:
+    def _candidate(self, model: Model, key: str, estimate: MemoryEstimate | None, max_batch: int,
+                   shadow: bool = False) -> Candidate:
+        queue = model.queue
         return Candidate(
             model=model.name,
             instance=key,
-            queued=model.queue.depth,
+            queued=queue.shadow_depth if shadow else queue.real_depth,
             max_batch=max_batch,
             per_item_bytes=estimate.per_item_bytes if estimate else 0,
             fixed_bytes=estimate.fixed_bytes if estimate else 0,
             model_budget=model.budget_bytes,
             model_bytes=self.ledger.model_bytes(model.name),
             share=self._served(model.name).at(self.clock()) / model.weight,
+            shadow=shadow,
         )
 
     def _plan_residency(self) -> float | None:
@@ -361,9 +379,9 @@ class DeviceScheduler:
         self.paused = admission.paused
         self.last_admission = admission
 
-    def _dispatch(self, model: Model, runner: Runner, size: int, now: float) -> None:
+    def _dispatch(self, model: Model, runner: Runner, size: int, now: float, *, shadow: bool = False) -> None:
         horizon = model.dispatch_horizon_s(runner, size, now)
-        tickets, doomed = model.queue.take_viable(size, now, horizon)
+        tickets, doomed = model.queue.take_viable(size, now, horizon, shadow=shadow)
         for ticket in doomed:  # the answer would come after their deadline: answer now, run nothing
             reject(ticket, DeadlineExceeded(
                 f"model {model.name!r} cannot answer before the deadline (an answer takes about "

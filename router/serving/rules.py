@@ -17,6 +17,13 @@ cluster's front (figures from its view of the replicas). The rules, in order:
 A caller that waits for room (a pipeline's later step) asks `has_room` and, while it waits,
 `check_gate`, and calls `admit` once there is room.
 
+A mirrored copy (`Terms.shadow`) costs real requests nothing: it is taken only into spare capacity,
+that is when no real item waits (queued or being prepared) in any queue of the model's devices
+(`ModelFigures.real_waiting`, which only the commit knows), its queue has room and the deadline
+gate lets it through without the half-open turn; otherwise 503 `NoSpareCapacity` (outcome `shed`).
+In the queue it is behind every real item, and a real item that finds the queue full takes the
+place of a queued copy, so copies never count against a real request's room.
+
 The rules run in two named steps, each at most once per request (`EVALUATIONS` counts them):
 `screen`, where the request arrives, before its body is read or anything is taken (on the
 figures the front can read: live, the board's, or the cluster's view); and `admit`, the commit,
@@ -33,11 +40,19 @@ from collections.abc import Callable
 
 import msgspec
 
-from router.errors import DeadlineExceeded, InputError, PayloadTooLarge, QueueFull, RouterError, error_named
+from router.errors import (
+    DeadlineExceeded,
+    InputError,
+    NoSpareCapacity,
+    PayloadTooLarge,
+    QueueFull,
+    RouterError,
+    error_named,
+)
 from router.scheduling.service_time import Forecast, GateDecision, Prediction, deadline_gate, half_open
 
 __all__ = ["EVALUATIONS", "Admission", "Evaluations", "ModelFigures", "Refusal", "Screened", "Terms", "admit", "budget_s",
-           "check_gate", "has_room", "priority_level", "screen"]
+           "check_gate", "check_spare", "has_room", "priority_level", "screen"]
 
 #: Figures older than this are not trusted to refuse on predictions (the engine decides instead).
 PREDICTION_FRESH_S = 0.25
@@ -55,6 +70,7 @@ class Terms(msgspec.Struct, frozen=True, array_like=True, gc=False):
     items: int = 1
     must_finish: bool = False  # a pipeline's later step: a predicted miss is 504, even for an idle model
     wait_for_room: bool = False  # ... which waits for room in a full queue instead of a 503
+    shadow: bool = False  # a mirrored copy: only into spare capacity, never a user's answer (last: old arrays decode)
 
 
 class Refusal(msgspec.Struct, frozen=True, array_like=True):
@@ -85,6 +101,8 @@ class ModelFigures(msgspec.Struct, frozen=True, array_like=True):
     half_open_interval_s: float = 0.5
     last_sample_at: float | None = None  # when a real batch last finished
     at: float = 0.0  # when the figures held
+    shadow: int = 0  # mirrored items among `occupancy` (queued or being prepared): behind every real one
+    real_waiting: int | None = None  # real items queued or prepared on the model's devices; None: not known here
 
 
 class Admission(msgspec.Struct, frozen=True):
@@ -98,6 +116,7 @@ class Admission(msgspec.Struct, frozen=True):
     predicted_wait_s: float | None = None  # the deadline gate's prediction of its answer
     measure: bool = False  # admitted without a prediction's backing: never dropped as doomed at dispatch
     half_open: bool = False  # admitted against the prediction, to measure: the gate's turn is taken
+    shadow: bool = False  # a mirrored copy: queued behind every real item, shed first
 
 
 class Screened(msgspec.Struct, frozen=True):
@@ -149,20 +168,33 @@ def budget_s(figures: ModelFigures, timeout_ms: float | None) -> float:
 
 
 def has_room(figures: ModelFigures, items: int = 1, pending: int = 0) -> bool:
-    return figures.occupancy + pending + items <= figures.capacity
+    """Room for `items` real requests: mirrored copies give theirs up to a real one."""
+    return figures.occupancy - figures.shadow + pending + items <= figures.capacity
 
 
 def check_room(figures: ModelFigures, items: int, pending: int = 0) -> None:
     """QueueFull if `items` more requests cannot all be taken now; PayloadTooLarge if they never can.
-    `pending`: requests this caller is preparing that the figures do not count yet."""
+    `pending`: requests this caller is preparing that the figures do not count yet. Mirrored copies
+    do not count: a real request takes the place of a queued one."""
     name, capacity = figures.name, figures.capacity
     if items > capacity:
         raise PayloadTooLarge(f"model {name!r} queues at most {capacity} requests; "
                               f"{items} items in one request can never fit")
-    occupancy = figures.occupancy + pending
+    occupancy = figures.occupancy - figures.shadow + pending
     if occupancy + items > capacity:
         room = f"room for {max(0, capacity - occupancy)} of {items} items" if items > 1 else f"{capacity} requests"
         raise QueueFull(f"model {name!r} queue is full ({room}); retry later", retry_after_s=figures.retry_after_s)
+
+
+def check_spare(figures: ModelFigures, items: int, pending: int = 0) -> None:
+    """NoSpareCapacity unless a mirrored copy of `items` items fits in spare capacity now: no real
+    item waits on the model's devices (where the figures know it) and the queue has room."""
+    name = figures.name
+    if figures.real_waiting:
+        raise NoSpareCapacity(f"model {name!r}: {figures.real_waiting} real request(s) wait on its device; "
+                              "a mirrored copy runs only in spare capacity")
+    if figures.occupancy + pending + items > figures.capacity:
+        raise NoSpareCapacity(f"model {name!r}: no room in its queue for a mirrored copy")
 
 
 def check_gate(terms: Terms, figures: ModelFigures, now: float, *, pending: int = 0) -> GateDecision:
@@ -171,9 +203,14 @@ def check_gate(terms: Terms, figures: ModelFigures, now: float, *, pending: int 
     return _gate(terms, figures, now, pending)[0]
 
 
+def _ahead(terms: Terms, figures: ModelFigures, pending: int) -> int:
+    """Items queued ahead of the request: a real one goes before every mirrored copy."""
+    return figures.occupancy + pending - (0 if terms.shadow else figures.shadow)
+
+
 def _gate(terms: Terms, figures: ModelFigures, now: float, pending: int) -> tuple[GateDecision, Prediction | None]:
     deadline = min(terms.received_at, now) + budget_s(figures, terms.timeout_ms)
-    position = figures.occupancy + pending
+    position = _ahead(terms, figures, pending)
     forecast = figures.forecast
     prediction = None if forecast is None else forecast.predict(now, position)
     turn = half_open(figures.half_open_at, figures.half_open_interval_s, now, figures.last_sample_at)
@@ -210,11 +247,33 @@ def _decide(terms: Terms, figures: ModelFigures, now: float, pending: int, gate:
     level = priority_level(figures, terms.priority)
     arrived = min(terms.received_at, now)
     deadline = arrived + budget_s(figures, terms.timeout_ms)
+    if terms.shadow:
+        return _decide_shadow(terms, figures, now, pending, gate, Admission(terms.model, level, arrived, deadline,
+                                                                            _ahead(terms, figures, pending), shadow=True))
     check_room(figures, terms.items, pending)
-    position = figures.occupancy + pending
+    position = _ahead(terms, figures, pending)
     forecast = figures.forecast
     if not gate or (forecast is not None and now - figures.at > PREDICTION_FRESH_S):
         return Admission(terms.model, level, arrived, deadline, position)
     decision, prediction = _gate(terms, figures, now, pending)
     wait = prediction.answer_in_s if prediction is not None else None
     return Admission(terms.model, level, arrived, deadline, position, wait, decision.measure, decision.half_open)
+
+
+def _decide_shadow(terms: Terms, figures: ModelFigures, now: float, pending: int, gate: bool,
+                   admission: Admission) -> Admission:
+    """A mirrored copy: spare capacity or NoSpareCapacity. It never takes the half-open turn (a real
+    request's) and is never kept from being dropped as doomed at dispatch."""
+    check_spare(figures, terms.items, pending)
+    forecast = figures.forecast
+    if not gate or (forecast is not None and now - figures.at > PREDICTION_FRESH_S):
+        return admission
+    try:
+        decision, prediction = _gate(terms, figures, now, pending)
+    except (QueueFull, DeadlineExceeded) as exc:
+        raise NoSpareCapacity(f"model {figures.name!r}: a mirrored copy would not be answered in time "
+                              f"({exc.detail})") from None
+    if decision.half_open:
+        raise NoSpareCapacity(f"model {figures.name!r}: the deadline gate's half-open turn is for real requests")
+    wait = prediction.answer_in_s if prediction is not None else None
+    return msgspec.structs.replace(admission, predicted_wait_s=wait)

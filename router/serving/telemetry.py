@@ -1,11 +1,32 @@
 """What the serving core reports as things happen. The HTTP layer's Prometheus metrics implement
-it; the core never imports them."""
+it; the core never imports them.
+
+A mirrored copy (shadow item) is nobody's request: its outcomes go to `observe_mirror` alone, never
+to `observe_request` (a user's), labelled by `mirror_outcome`."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
-__all__ = ["Telemetry", "TelemetryFanout"]
+from router.errors import DeadlineExceeded, Overloaded
+
+__all__ = ["MIRROR_OUTCOMES", "Telemetry", "TelemetryFanout", "mirror_outcome"]
+
+#: The outcomes of a mirrored copy: taken into spare capacity, answered, refused or crowded out
+#: for lack of spare capacity, failed in its model, or past its deadline.
+MIRROR_OUTCOMES = ("admitted", "served", "shed", "failed", "expired")
+
+
+def mirror_outcome(error: BaseException | None) -> str:
+    """The outcome label of a mirrored copy's answer: `served` (no error), `expired` (its deadline
+    passed), `shed` (no spare capacity, or not serving now), else `failed`."""
+    if error is None:
+        return "served"
+    if isinstance(error, DeadlineExceeded):
+        return "expired"
+    if isinstance(error, Overloaded):
+        return "shed"
+    return "failed"
 
 
 class Telemetry(Protocol):
@@ -18,6 +39,7 @@ class Telemetry(Protocol):
     def observe_eviction(self, model: str, device: str, kind: str) -> None: ...
     def observe_cold_wait(self, model: str, seconds: float) -> None: ...  # a request waited for a load
     def observe_answer(self, model: str, seconds: float, deadline_s: float) -> None: ...  # a 200, and its time budget
+    def observe_mirror(self, model: str, outcome: str) -> None: ...  # a mirrored copy's (MIRROR_OUTCOMES), not a user's
 
 
 class TelemetryFanout:
@@ -49,6 +71,11 @@ class TelemetryFanout:
     def observe_cold_wait(self, model: str, seconds: float) -> None:
         for sink in self.sinks:
             sink.observe_cold_wait(model, seconds)
+
     def observe_answer(self, model: str, seconds: float, deadline_s: float) -> None:
         for sink in self.sinks:
             sink.observe_answer(model, seconds, deadline_s)
+
+    def observe_mirror(self, model: str, outcome: str) -> None:
+        for sink in self.sinks:
+            sink.observe_mirror(model, outcome)
