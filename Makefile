@@ -9,7 +9,7 @@ PIP    := $(BIN)/python -m pip
 TORCH  := torch==2.14.1 torchvision==0.29.1
 TORCH_INDEX ?=
 CONFIG ?= config/fleet.yaml
-DEMO   := model_store/yolov8n.pt model_store/resnet18.pt
+DEMO   := model_store/yolov8n.pt model_store/resnet18.pt model_store/resnet18-b.pt
 
 .PHONY: serve test test-tools check gpu-check bench protos clean
 

@@ -32,7 +32,7 @@ class RayCalls:
         response = handle.predict.remote(call.model, call.body, call.media_type, call.filename, priority=call.priority,
                                          timeout_ms=call.timeout_ms, request_id=call.request_id, avoid=avoid,
                                          pixels=call.pixels, wait_for_room=call.wait_for_room,
-                                         must_finish=call.must_finish)
+                                         must_finish=call.must_finish, shadow=call.shadow)
         try:
             reply: Reply = await asyncio.wait_for(_result(response), wait_s)
         except TimeoutError:

@@ -25,21 +25,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
 from router.cluster.layout import cluster_of, copy_policies, served_models
 from router.cluster.reports import ErrorReply, ReplicaReport, Reply
 from router.cluster.view import cluster_devices, cluster_model
-from router.config import FleetConfig, ModelConfig
+from router.config import FleetConfig, ModelConfig, RouteConfig
 from router.errors import DeadlineExceeded, InputError, ModelNotFound, ModelUnavailable, brief
+from router.sdk.agreement import default_agreement
 from router.sdk.plugin import Payload
 from router.serving.editor import ReloadReport
 from router.serving.inflight import InFlight, screening
-from router.serving.plan import PipelinePlan, plan_pipeline
+from router.serving.plan import PipelinePlan, plan_pipeline, version_route
 from router.serving.residency_executor import UnloadReport
+from router.serving.rollouts import Rollouts
 from router.serving.rules import ModelFigures, Refusal, Screened, Terms, screen
 from router.serving.runtime import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
 from router.serving.telemetry import Telemetry, TelemetryFanout
+from router.serving.traffic import Observation, TrafficChange
+from router.serving.versions import VersionRoute
 from router.tracing.api import Phases, within_phase
+from router.version_config import RouteProblems, changed_route
 
 __all__ = ["ClusterRuntime", "PredictCall", "ReplicaCalls"]
 
@@ -63,6 +70,7 @@ class PredictCall:
     pixels: Any = None  # a numpy array: Ray moves it through its object store
     wait_for_room: bool = False
     must_finish: bool = False
+    shadow: bool = False  # a mirrored copy: the replica admits it into spare capacity only
 
 
 class ReplicaCalls(Protocol):
@@ -93,11 +101,15 @@ class ClusterRuntime:
         self._inflight = InFlight()
         self._draining = False
         self._refresher: asyncio.Task[None] | None = None
+        self._route_configs = dict(fleet.routes)
+        self._routes = {name: version_route(name, config) for name, config in fleet.routes.items()}
+        self.rollouts = Rollouts(self._apply_traffic, lambda: (self._routes, self._route_configs), clock)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
         await self.refresh()
+        await self.rollouts.start()
         self._refresher = asyncio.create_task(self._refresh_loop(), name="cluster-view")
 
     async def refresh(self) -> None:
@@ -144,6 +156,7 @@ class ClusterRuntime:
     async def stop(self) -> None:
         if self._refresher is not None:
             self._refresher.cancel()
+        await self.rollouts.stop()
 
     # -- snapshots ----------------------------------------------------------------------------
 
@@ -201,18 +214,18 @@ class ClusterRuntime:
     async def submit(self, model: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
                      request_id: str | None = None, received_at: float | None = None,
                      trace: Phases | None = None, wait_for_room: bool = False, must_finish: bool = False,
-                     screened: Screened | None = None) -> Answer:
+                     screened: Screened | None = None, shadow: bool = False) -> Answer:
         """With `trace`, the whole stay on a replica (its queue, batch and hooks) is one phase, "replica".
         `screened`: the request's screen (`screen`), not run again; without it the request is
         screened here first. `wait_for_room` and `must_finish` (a pipeline's later steps) go to the
         replica with the input."""
         config = self._config(model)
         started = self.clock() if received_at is None else min(received_at, self.clock())
-        with self._inflight.request(lambda outcome: self._count(model, outcome, started)):
+        with self._inflight.request(lambda outcome: None if shadow else self._count(model, outcome, started)):
             if screened is None:
-                terms = Terms(model, started, priority, timeout_ms, must_finish=must_finish)
+                terms = Terms(model, started, priority, timeout_ms, must_finish=must_finish, shadow=shadow)
                 screened = screen(terms, self._figures(model, config), self.clock())
-            how = {"wait_for_room": wait_for_room, "must_finish": must_finish}
+            how = {"wait_for_room": wait_for_room, "must_finish": must_finish, "shadow": shadow}
             work = self._route(model, config, payload, priority, request_id or uuid.uuid4().hex, screened.deadline, how)
             return await (work if trace is None else within_phase(trace, "replica", self.clock, work))
 
@@ -275,6 +288,43 @@ class ClusterRuntime:
 
     async def reload(self, path: Path | None = None) -> ReloadReport:
         raise InputError(_REDEPLOY)
+
+    # -- versions: the fleet file's routes; the front routes, the replicas serve each version ------
+
+    def routes(self) -> Mapping[str, VersionRoute]:
+        return self._routes
+
+    async def put_version(self, name: str, version: str, section: Mapping[str, Any],
+                          source: str = "PUT /models") -> tuple[str, ModelInfo]:
+        raise InputError(_REDEPLOY)
+
+    async def delete_version(self, name: str, version: str) -> None:
+        raise InputError(_REDEPLOY)
+
+    async def set_traffic(self, name: str, change: TrafficChange) -> VersionRoute:
+        """A split changed here, where the cluster's requests are routed (the replicas serve every version)."""
+        return await self.rollouts.set_traffic(name, change)
+
+    async def _apply_traffic(self, name: str, change: TrafficChange) -> VersionRoute:
+        try:
+            config = RouteConfig.model_validate(changed_route(
+                self._route_configs[name], weights=change.weights, stable=change.stable, mirror=change.mirror,
+                mirror_percent=change.mirror_percent))
+        except (RouteProblems, ValidationError) as exc:
+            raise InputError(f"models.{name}.traffic: {exc}") from None
+        self._route_configs[name] = config
+        route = version_route(name, config, self._routes[name].generation + 1)
+        self._routes = {**self._routes, name: route}
+        return route
+
+    def rollout(self, name: str) -> dict[str, Any] | None:
+        return self.rollouts.describe(name)
+
+    def agreement(self, model: str, answer: Any, other: Any) -> float | None:
+        return default_agreement(answer, other)
+
+    def report_versions(self, observation: Observation) -> None:
+        self.rollouts.observe(observation)
 
     # -- pipelines: the fleet file's, run by the front's pipeline runner through `submit` ------------
 

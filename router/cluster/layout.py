@@ -59,7 +59,8 @@ def replica_fleet(fleet: FleetConfig, node_type: str) -> FleetConfig:
         for name in served_models(fleet, node_type)
     }
     # Pipelines run in the fronts; a replica serves their steps as models.
-    return fleet.model_copy(update={"devices": {device: base}, "models": models, "cluster": None, "pipelines": {}})
+    return fleet.model_copy(update={"devices": {device: base}, "models": models, "cluster": None, "pipelines": {},
+                                    "routes": {}})
 
 
 def copy_policies(fleet: FleetConfig) -> dict[str, CopyPolicy]:

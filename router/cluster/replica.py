@@ -70,7 +70,7 @@ class DeviceReplica:
     async def predict(
         self, model: str, body: bytes, media_type: str, filename: str | None = None, *, priority: int | None = None,
         timeout_ms: float | None = None, request_id: str | None = None, avoid: tuple[str, ...] = (),
-        pixels: Any = None, wait_for_room: bool = False, must_finish: bool = False,
+        pixels: Any = None, wait_for_room: bool = False, must_finish: bool = False, shadow: bool = False,
     ) -> Reply:
         """One input through the model (a pipeline's step: decoded `pixels`, and how it waits).
         `avoid` is for the request router only (replicas that refused)."""
@@ -78,7 +78,8 @@ class DeviceReplica:
         try:
             answer = await self.runtime.submit(model, Payload(body, media_type, filename, pixels=pixels),
                                                priority=priority, timeout_ms=timeout_ms, request_id=request_id,
-                                               wait_for_room=wait_for_room, must_finish=must_finish)
+                                               wait_for_room=wait_for_room, must_finish=must_finish,
+                                               shadow=shadow)
         except RouterError as exc:
             return Reply(self.replica, error=ErrorReply.of(exc), cold=cold)
         return Reply(self.replica, answer=answer, cold=cold)

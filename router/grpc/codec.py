@@ -118,10 +118,10 @@ def _from_contents(spec: Any, name: str, datatype: str, shape: tuple[int, ...]) 
 
 
 def encode_response(model: str, request: InferRequest, outputs: Sequence[RequestedOutput], answers: Sequence[Any],
-                    regions: ClientRegions | None = None) -> Any:
+                    regions: ClientRegions | None = None, *, version: str = MODEL_VERSION) -> Any:
     """The `ModelInferResponse`: each output a `BYTES` tensor of the answers' JSON, in
     raw_output_contents, or written to its shared memory region (then with no contents)."""
-    response = pb.ModelInferResponse(model_name=model, model_version=MODEL_VERSION, id=request.id or "")
+    response = pb.ModelInferResponse(model_name=model, model_version=version, id=request.id or "")
     blob = serialize_bytes(answer_elements(answers))
     for output in outputs:
         tensor = response.outputs.add(name=output.name, datatype="BYTES", shape=[len(answers)])

@@ -35,7 +35,7 @@ from router.grpc.protos import grpc_service_pb2 as pb
 from router.inference_protocol.request import router_priority
 from router.inference_protocol.shared_memory import Caller, SharedMemoryRegistry
 from router.inference_protocol.submission import item_traces, run_request
-from router.inference_protocol.targets import Pipelines, find_target
+from router.inference_protocol.targets import Pipelines, find_target, served_version
 from router.serving.facade import ServingFacade
 from router.tracing.api import Tracing
 
@@ -102,7 +102,8 @@ class Inference:
                                 placed=placed, traces=traces)
         if trace is not None:
             trace.enter("respond")  # from the answers
-        return encode_response(name, decoded, ran.outputs, [answer.output for answer in ran.answers], regions)
+        return encode_response(name, decoded, ran.outputs, [answer.output for answer in ran.answers], regions,
+                               version=served_version(ran.answers))
 
     async def stream(self, frames: AsyncIterator[Any], context: aio.ServicerContext[Any, Any],
                      call: Call) -> AsyncIterator[Any]:

@@ -38,11 +38,12 @@ from router.host.board import BoardReader
 from router.host.exchange import GRACE_S, Exchanges, engine_gone
 from router.host.front_models import FrontHookFailed, FrontModel, FrontModels, front_hook
 from router.host.heartbeat import HEARTBEAT_EVERY_S, Heartbeat
-from router.host.messages import CallReply, Lags, Models, Packed, PayloadRef, Reply, Snapshot, Submit
+from router.host.messages import CallReply, Lags, Models, Observed, Packed, PayloadRef, Reply, Snapshot, Submit
 from router.host.packing import Packer, unpack
 from router.host.stream import EngineStream, handshake
 from router.host.verbs import call_args, decode_result, pipeline_from_wire
 from router.logs import new_request_id
+from router.sdk.agreement import default_agreement
 from router.sdk.plugin import Payload
 from router.serving.checks import check_answer, check_media_type
 from router.serving.editor import ReloadReport
@@ -53,7 +54,9 @@ from router.serving.residency_executor import UnloadReport
 from router.serving.rules import Screened, Terms, screen
 from router.serving.runtime import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
-from router.serving.telemetry import Telemetry, TelemetryFanout
+from router.serving.telemetry import Telemetry, TelemetryFanout, mirrored
+from router.serving.traffic import Observation, TrafficChange
+from router.serving.versions import VersionRoute
 from router.tracing.api import Phases, within_phase
 
 __all__ = ["REQUEST_ARENA_BYTES", "EngineClient"]
@@ -64,6 +67,8 @@ RECONNECT_S = 0.1
 #: How long a front waits at start for the engine before it serves anyway (answering 503 until then).
 START_WAIT_S = 60.0
 LAGS_EVERY_S = 0.05
+#: Observations of versions kept for the engine between two sends.
+MAX_OBSERVED = 10_000
 
 
 class EngineClient:
@@ -81,6 +86,8 @@ class EngineClient:
         self._packer = Packer(self.arena)
         self._fleet = FrontModels()
         self._pipelines: dict[str, PipelinePlan] = {}  # as the engine last described them (`Models`)
+        self._routes: dict[str, VersionRoute] = {}  # likewise
+        self._observed: list[Observation] = []  # for the engine's rollouts, sent with the lags
         self._inflight = InFlight()
         self._preparing: Counter[str] = Counter()  # requests prepared here, not yet sent
         self._exchanges = Exchanges(self.arena, clock)
@@ -163,6 +170,8 @@ class EngineClient:
                 self._spawn(self._fleet.adopt(model), f"adopt-{model.name}")
             wires = msgspec.msgpack.decode(message.pipelines) if message.pipelines else []
             self._pipelines = {wire["name"]: pipeline_from_wire(wire) for wire in wires}
+            routes = msgspec.msgpack.decode(message.routes, type=list[VersionRoute]) if message.routes else []
+            self._routes = {route.name: route for route in routes}
         elif isinstance(message, Snapshot):
             self._raw_snapshot, self._snapshot = message, None
             self._synced.set()
@@ -290,7 +299,7 @@ class EngineClient:
                      timeout_ms: float | None = None, request_id: str | None = None,
                      received_at: float | None = None, trace: Phases | None = None,
                      wait_for_room: bool = False, must_finish: bool = False,
-                     screened: Screened | None = None) -> Answer:
+                     screened: Screened | None = None, shadow: bool = False) -> Answer:
         """With `trace` (a sampled request's), its phases here (admission, preprocess, queue wait,
         execute from the engine's batch facts, linked to the engine's batch span, postprocess).
         `screened`: the request's screen (`screen`), not run again; without it the request is
@@ -300,7 +309,11 @@ class EngineClient:
         front = self._model(model)
         request_id = request_id or new_request_id()
         started = self.clock() if received_at is None else min(received_at, self.clock())
-        terms = Terms(model, started, priority, timeout_ms, must_finish=must_finish, wait_for_room=wait_for_room)
+        terms = Terms(model, started, priority, timeout_ms, must_finish=must_finish, wait_for_room=wait_for_room,
+                      shadow=shadow)
+        if shadow:  # a mirrored copy: counted apart, never as a user's request
+            with mirrored(self.telemetry, model), self._inflight.request(lambda outcome: None):
+                return (await self._submit(front, terms, payload, request_id, None, None))[0]
         with self._inflight.request(lambda outcome: self._count(model, outcome, started)):
             work = self._submit(front, terms, payload, request_id, trace, screened)
             answer, deadline = await (work if trace is None else within_phase(trace, "admission", self.clock, work))
@@ -416,6 +429,9 @@ class EngineClient:
             if self._lags and self._stream is not None:
                 lags, self._lags = self._lags, {}
                 self._stream.send(Lags({name: (int(n), total) for name, (n, total) in lags.items()}))
+            if self._observed and self._stream is not None:
+                observed, self._observed = self._observed, []
+                self._stream.send(Observed(tuple(observed)))
 
     # -- operators' changes and lifecycle --------------------------------------------------------
 
@@ -468,6 +484,40 @@ class EngineClient:
     async def delete_pipeline(self, name: str) -> None:
         await self._call("delete_pipeline", name=name)
         self._pipelines.pop(name, None)
+
+    # Versions: the engine owns the routes and their rollouts; this front routes by the routes it
+    # last received and sends what it observed with its lags.
+
+    def routes(self) -> Mapping[str, VersionRoute]:
+        return self._routes
+
+    async def put_version(self, name: str, version: str, section: Mapping[str, Any],
+                          source: str = "PUT /models") -> tuple[str, ModelInfo]:
+        return await self._call("put_version", name=name, version=version, section=dict(section),  # type: ignore[no-any-return]
+                                source=source)
+
+    async def delete_version(self, name: str, version: str) -> None:
+        await self._call("delete_version", name=name, version=version)
+
+    async def set_traffic(self, name: str, change: TrafficChange) -> VersionRoute:
+        route: VersionRoute = await self._call("set_traffic", name=name, change=change)
+        self._routes = {**self._routes, name: route}  # routed here at once; `Models` confirms it
+        return route
+
+    def rollout(self, name: str) -> dict[str, Any] | None:
+        raw = self._raw_snapshot
+        if raw is None or not raw.rollouts:
+            return None
+        return msgspec.msgpack.decode(raw.rollouts).get(name)  # type: ignore[no-any-return]
+
+    def agreement(self, model: str, answer: Any, other: Any) -> float | None:
+        front = self._fleet.get(model)
+        hook = getattr(front.plugin, "agreement", None) if front is not None and front.plugin is not None else None
+        return hook(answer, other) if hook is not None else default_agreement(answer, other)
+
+    def report_versions(self, observation: Observation) -> None:
+        if len(self._observed) < MAX_OBSERVED:  # an engine away for long: its rollouts miss the rest
+            self._observed.append(observation)
 
     def begin_drain(self) -> None:
         """Refuse new requests here at once, and have the engine refuse them everywhere."""

@@ -32,7 +32,7 @@ from router.errors import ClientDisconnected, ModelError, RouterError
 from router.host.board import BOARD_BYTES, BoardWriter
 from router.host.fleet_news import FleetNews
 from router.host.links import FrontLink, Outgoing, Writer, accept_front, read_front
-from router.host.messages import Call, Cancel, Failure, Lags, Submit
+from router.host.messages import Call, Cancel, Failure, Lags, Observed, Submit
 from router.host.packing import unpack
 from router.host.verbs import run_call
 from router.scheduling.queue import BatchFacts, Outcome, Served, Ticket, reject
@@ -174,6 +174,10 @@ class EngineServer:
             elif isinstance(message, Lags):
                 self._on_message("lags")
                 self.news.observe_lags(message)
+            elif isinstance(message, Observed):
+                self._on_message("observed")
+                for observation in message.observations:
+                    self.runtime.report_versions(observation)
             elif isinstance(message, Call):
                 self._on_message("call")
                 self._spawn(self._call(link, message), f"call-{message.verb}")
@@ -249,7 +253,7 @@ class EngineServer:
             answer = await self.runtime.submit(
                 terms.model, Payload(bytes(body), ref.media_type, ref.filename, pixels=pixels), priority=terms.priority,
                 timeout_ms=terms.timeout_ms, request_id=submit.request_id, received_at=terms.received_at,
-                wait_for_room=terms.wait_for_room, must_finish=terms.must_finish)
+                wait_for_room=terms.wait_for_room, must_finish=terms.must_finish, shadow=terms.shadow)
         except RouterError as exc:
             self.failed(pending, exc)
             return

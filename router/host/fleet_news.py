@@ -77,15 +77,16 @@ class FleetNews:
                 fleet.allow_absolute_paths, bool(getattr(cls, "preprocess_needs_model", False)) or state == b"",
                 deployment.config.queue.timeout_ms, deployment.config.execution.timeout_ms, state or None))
         pipelines = msgspec.msgpack.encode([pipeline_wire(plan) for plan in self.runtime.pipelines()])
-        return Models(tuple(entries), pipelines)
+        return Models(tuple(entries), pipelines, msgspec.msgpack.encode(list(self.runtime.routes().values())))
 
     # -- Snapshot -------------------------------------------------------------------------------
 
     def snapshot(self) -> Snapshot:
         runtime = self.runtime
         self._snapshot_at = time.monotonic()
+        rollouts = {name: state for name in runtime.routes() if (state := runtime.rollout(name)) is not None}
         return Snapshot(runtime.ready, runtime.draining, msgspec.msgpack.encode(runtime.models()),
-                        msgspec.msgpack.encode(runtime.devices()))
+                        msgspec.msgpack.encode(runtime.devices()), msgspec.msgpack.encode(rollouts))
 
     def changed(self) -> None:
         """Something the fronts show changed (an admin call ended): send a snapshot at once."""
@@ -96,7 +97,7 @@ class FleetNews:
         model's state, queue depth or running batches changed or half a second passed."""
         deployments = list(self.runtime.deployments.values())
         models_key = (tuple((d.name, d.generation, self._front_state(d) is not None) for d in deployments),
-                      tuple(self.runtime.pipelines()))
+                      tuple(self.runtime.pipelines()), tuple(self.runtime.routes().values()))
         models = None
         if models_key != self._sent_models:
             self._sent_models = models_key

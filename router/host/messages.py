@@ -17,10 +17,28 @@ import msgspec
 from router.errors import RouterError, error_named
 from router.scheduling.queue import BatchFacts
 from router.serving.rules import Terms
+from router.serving.traffic import Observation
 
 __all__ = [
-    "Call", "CallReply", "Cancel", "EngineMessage", "Failure", "Frames", "FrontMessage", "Hello", "Lags",
-    "ModelEntry", "Models", "Packed", "PayloadRef", "Release", "Reply", "Snapshot", "Submit", "Welcome",
+    "Call",
+    "CallReply",
+    "Cancel",
+    "EngineMessage",
+    "Failure",
+    "Frames",
+    "FrontMessage",
+    "Hello",
+    "Lags",
+    "ModelEntry",
+    "Models",
+    "Observed",
+    "Packed",
+    "PayloadRef",
+    "Release",
+    "Reply",
+    "Snapshot",
+    "Submit",
+    "Welcome",
     "encode_frame",
 ]
 
@@ -120,6 +138,12 @@ class Lags(_Message):
     models: dict[str, tuple[int, float]]
 
 
+class Observed(_Message):
+    """What a front saw of routed names' versions since the last Observed, for their rollouts."""
+
+    observations: tuple[Observation, ...]
+
+
 class Call(_Message):
     id: int
     verb: str
@@ -139,6 +163,7 @@ class Welcome(_Message):
 class Models(_Message):
     models: tuple[ModelEntry, ...]
     pipelines: bytes = b""  # the pipelines served (msgpack, `router.host.verbs.pipeline_wire` each)
+    routes: bytes = b""  # the routed names' routes (msgpack of `VersionRoute`s)
 
 
 class Reply(_Message):
@@ -157,6 +182,7 @@ class Snapshot(_Message):
     draining: bool
     models: bytes  # msgpack of the ModelInfo list
     devices: bytes  # msgpack of the DeviceInfo list
+    rollouts: bytes = b""  # msgpack of {name: its rollout, as `Runtime.rollout` describes it}
 
 
 class CallReply(_Message):
@@ -165,7 +191,7 @@ class CallReply(_Message):
     failure: Failure | None = None
 
 
-FrontMessage = Hello | Submit | Cancel | Release | Lags | Call
+FrontMessage = Hello | Submit | Cancel | Release | Lags | Observed | Call
 EngineMessage = Welcome | Models | Reply | Snapshot | CallReply
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -20,6 +20,8 @@ from router.serving.plan import PipelinePlan
 from router.serving.residency_executor import UnloadReport
 from router.serving.runtime import Runtime
 from router.serving.snapshots import ModelInfo
+from router.serving.traffic import TrafficChange
+from router.serving.versions import VersionRoute
 
 __all__ = ["RESULT_TYPES", "call_args", "pipeline_from_wire", "pipeline_wire", "run_call"]
 
@@ -35,6 +37,9 @@ RESULT_TYPES: Final[dict[str, Any]] = {
     "put_pipeline": tuple[str, dict[str, Any]],  # (outcome, `pipeline_wire`)
     "delete_pipeline": None,
     "begin_drain": None,
+    "put_version": tuple[str, ModelInfo],
+    "delete_version": None,
+    "set_traffic": VersionRoute,
 }
 
 
@@ -87,6 +92,13 @@ async def _run(runtime: Runtime, verb: str, args: dict[str, Any]) -> Any:
     if verb == "delete_pipeline":
         await runtime.delete_pipeline(args["name"])
         return None
+    if verb == "put_version":
+        return await runtime.put_version(args["name"], args["version"], args["section"], args.get("source", "PUT /models"))
+    if verb == "delete_version":
+        await runtime.delete_version(args["name"], args["version"])
+        return None
+    if verb == "set_traffic":
+        return await runtime.set_traffic(args["name"], msgspec.convert(args["change"], TrafficChange))
     if verb == "begin_drain":
         runtime.begin_drain()
         return None

@@ -33,12 +33,15 @@ from router.http.pipelines import PIPELINE_ROUTES, predict_pipeline
 from router.http.protocol import ANSWERED, SCREENED
 from router.http.request_state import TRACE, mark_received, note_error, pipelines_of, received_at, request_phases, runtime_of
 from router.http.ui import ui_router
+from router.http.versions import VERSION_ROUTES
+from router.inference_protocol.repository import MODEL_VERSION
 from router.inference_protocol.shared_memory import SharedMemoryRegistry
 from router.logs import request_id_var, trace_id_var
 from router.pipelines import PipelineRunner
 from router.sdk.bounded_json import lone_surrogate
 from router.sdk.plugin import Payload
 from router.serving.facade import ServingFacade
+from router.serving.versions import split_name
 from router.tracing.api import RequestSpan, Tracing, access_attributes
 
 __all__ = ["Listener", "create_app"]
@@ -103,12 +106,27 @@ def _is_json(media_type: str) -> bool:
 
 @post("/models/{name:str}/predict", status_code=200, summary="Run one input through a model")
 async def predict(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
-    """Accepts a multipart field `file` or a raw `image/*` body. Headers: X-Timeout-Ms, X-Priority.
-    A pipeline's name runs the input through the pipeline (docs/pipelines.md)."""
-    runtime, pipelines = runtime_of(request), pipelines_of(request)
+    """Accepts a multipart field `file` or a raw `image/*` body. Headers: X-Timeout-Ms, X-Priority,
+    X-Model-Version (a version of a model with versions), X-Route-Key (the same key, the same
+    version). A pipeline's name runs the input through the pipeline (docs/pipelines.md)."""
+    return await _predict(name, request.headers.get("x-model-version"), request)
+
+
+@post("/models/{name:str}/versions/{version:str}/predict", status_code=200,
+      summary="Run one input through one version of a model")
+async def predict_version(name: FromPath[str], version: FromPath[str],
+                          request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+    """As /models/{name}/predict, on the version named in the path (docs/rollouts.md)."""
+    return await _predict(name, version, request)
+
+
+async def _predict(name: str, version: str | None, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+    pipelines = pipelines_of(request)
+    versions = pipelines.versions
     trace = request_phases(request.scope, "receive")
     priority = priority_header(request.headers.get("x-priority"))
     timeout_ms = number_header("X-Timeout-Ms", request.headers.get("x-timeout-ms"))
+    route_key = request.headers.get("x-route-key")
     # The screen: 404, 503 and header errors before the body is read, so that under a surge a
     # refusal costs little. Served by `model-router serve`, the connection has screened the request
     # already (router.http.early), and its `Screened` goes on with the request to the commit.
@@ -121,27 +139,33 @@ async def predict(name: FromPath[str], request: Request[Any, Any, Any]) -> Respo
                                       screened)
     if screened is None:
         try:
-            screened = runtime.screen(name, priority=priority, timeout_ms=timeout_ms, received_at=received_at(request),
-                                      body_bytes=announced_length(request.headers.get("content-length")))
+            screened = versions.screen(name, priority=priority, timeout_ms=timeout_ms, received_at=received_at(request),
+                                       body_bytes=announced_length(request.headers.get("content-length")),
+                                       version=version, route_key=route_key)
         except ModelNotFound as exc:  # the name could be a pipeline's: the 404 lists them too
+            if versions.serves(name):  # a version it lacks: its own words
+                raise
             raise pipelines.not_found(name, exc) from None
     payload = await _payload(request)
     request.scope["state"]["access"] = {"model": name, "input_bytes": len(payload.body)}
     answer = await run_unless_disconnected(
-        request.receive, runtime.submit(name, payload, priority=priority, timeout_ms=timeout_ms,
-                                        request_id=request_id_var.get(), received_at=received_at(request), trace=trace,
-                                        screened=screened)
+        request.receive, versions.submit(name, payload, priority=priority, timeout_ms=timeout_ms,
+                                         request_id=request_id_var.get(), received_at=received_at(request), trace=trace,
+                                         screened=screened, version=version, route_key=route_key)
     )
     if trace is not None:
         trace.enter("respond")  # from the runtime's answer
+    served_name, served_version = split_name(answer.model)
     request.scope["state"]["access"].update(
+        version=served_version or MODEL_VERSION,
         queue_wait_ms=round(answer.queue_wait_s * 1000, 3), batch_size=answer.batch_size,
         execution_ms=round(answer.execution_s * 1000, 3), memory_delta_bytes=answer.memory_delta_bytes,
         **answer.input_info,
     )
     return Response(
         {
-            "model": answer.model,
+            "model": served_name,
+            "version": served_version or MODEL_VERSION,
             "request_id": answer.request_id,
             "result": answer.output,
             "timing": {
@@ -149,15 +173,17 @@ async def predict(name: FromPath[str], request: Request[Any, Any, Any]) -> Respo
                 "execution_ms": round(answer.execution_s * 1000, 3),
                 "batch_size": answer.batch_size,
             },
-        }
+        },
+        headers={"X-Model-Version": served_version or MODEL_VERSION},
     )
 
 
 @get("/models", summary="All models with state, queue, batching, memory and counters; and the pipelines")
 async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
-    runtime = runtime_of(request)
+    runtime, pipelines = runtime_of(request), pipelines_of(request)
     return {"models": [model.as_dict() for model in runtime.models()],
-            "pipelines": [info.as_dict() for info in pipelines_of(request).infos()]}
+            "pipelines": [info.as_dict() for info in pipelines.infos()],
+            "routes": [_route(name, request) for name in runtime.routes()]}
 
 
 @get("/models/{name:str}", summary="One model's state, queue, batching, memory and counters (or a pipeline's)")
@@ -165,7 +191,17 @@ async def show_model(name: FromPath[str], request: Request[Any, Any, Any]) -> di
     pipelines = pipelines_of(request)
     if pipelines.serves(name):
         return pipelines.info(name).as_dict()
+    if pipelines.versions.serves(name):
+        return _route(name, request)
     return pipelines.known_model(name).as_dict()
+
+
+def _route(name: str, request: Request[Any, Any, Any]) -> dict[str, Any]:
+    """A model with versions: its route, this front's figures by version, each version's snapshot, its rollout."""
+    runtime, versions = runtime_of(request), pipelines_of(request).versions
+    described = versions.describe(name)
+    return {**described, "kind": "versions", "rollout": runtime.rollout(name),
+            "models": {v: runtime.model(d).as_dict() for v, d in described["deployments"].items()}}
 
 
 @get("/health/live", summary="The process is up", opt={"access": Access.HEALTH})
@@ -374,7 +410,7 @@ def create_app(
             regions.close()
 
     app = Litestar(
-        route_handlers=[predict, list_models, show_model, live, ready, metrics, *ADMIN_ROUTES, *PIPELINE_ROUTES, v2_router,
+        route_handlers=[predict, predict_version, list_models, show_model, live, ready, metrics, *ADMIN_ROUTES, *VERSION_ROUTES, *PIPELINE_ROUTES, v2_router,
                         ui_router],
         lifespan=[lifespan],
         exception_handlers={Exception: _error_response},
@@ -399,6 +435,7 @@ def create_app(
         router_metrics = RouterMetrics()
         router_metrics.bind(runtime)
     app.state.pipelines.add_telemetry(router_metrics)
+    app.state.pipelines.versions.tallies.sinks.append(router_metrics)
     app.state.metrics = router_metrics
     app.state.access_policy = policy
     return app

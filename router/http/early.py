@@ -41,7 +41,8 @@ log = logging.getLogger("router.http.early")
 #: or an absolute URI goes to the app, which decodes them).
 PREDICT = re.compile(rb"^/models/([A-Za-z0-9._~:@!$&'()*+,;=-]+)/predict$")
 #: The headers the checks read; a request that repeats one of them goes to the app.
-READ = (b"authorization", b"x-priority", b"x-timeout-ms", b"content-length", b"x-request-id")
+READ = (b"authorization", b"x-priority", b"x-timeout-ms", b"content-length", b"x-request-id", b"x-model-version",
+        b"x-route-key")
 ROUTE = "/models/{name}/predict"
 
 
@@ -75,15 +76,22 @@ class EarlyRefusals:
                 return None
         model = match.group(1).decode("ascii")
         pipelines = self.pipelines
-        screen = pipelines.screen if pipelines is not None and pipelines.serves(model) else self.runtime.screen
         try:
-            return screen(
-                model, priority=priority_header(fields.get(b"x-priority")),
-                timeout_ms=number_header("X-Timeout-Ms", fields.get(b"x-timeout-ms")),
-                received_at=started, body_bytes=announced_length(fields.get(b"content-length")),
-            )
+            priority = priority_header(fields.get(b"x-priority"))
+            timeout_ms = number_header("X-Timeout-Ms", fields.get(b"x-timeout-ms"))
+            body_bytes = announced_length(fields.get(b"content-length"))
+            if pipelines is not None and pipelines.serves(model):
+                return pipelines.screen(model, priority=priority, timeout_ms=timeout_ms, received_at=started,
+                                        body_bytes=body_bytes)
+            if pipelines is not None:
+                return pipelines.versions.screen(model, priority=priority, timeout_ms=timeout_ms, received_at=started,
+                                                 body_bytes=body_bytes, version=fields.get(b"x-model-version"),
+                                                 route_key=fields.get(b"x-route-key"))
+            return self.runtime.screen(model, priority=priority, timeout_ms=timeout_ms, received_at=started,
+                                       body_bytes=body_bytes)
         except ModelNotFound as exc:  # the name could be a pipeline's: the 404 lists them too
-            error = pipelines.not_found(model, exc) if pipelines is not None else exc
+            error = pipelines.not_found(model, exc) if pipelines is not None and not pipelines.versions.serves(model) \
+                else exc
             return self._refusal(error, url.decode("ascii"), started, fields.get(b"x-request-id"), headers)
         except RouterError as exc:
             return self._refusal(exc, url.decode("ascii"), started, fields.get(b"x-request-id"), headers)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import psutil
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, Summary, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -102,12 +102,39 @@ class RouterMetrics:
             "request arrives, before its body is read) and commit (where it takes its queue slot); each request is "
             "screened at most once and committed once per item.", ["step"], registry=registry,
         )
+        self._version_metrics(registry)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         steps = {step: self.rule_evaluations.labels(step) for step in ("screen", "commit")}
         EVALUATIONS.sink = lambda step: steps[step].inc()  # this process's rules, counted where they run
         self._pipeline_metrics(registry)
         ProcessCollector(registry=self.registry)  # this process's process_cpu_seconds_total, resident memory, ...
         self.registry.register(_HostCollector())
+
+    def _version_metrics(self, registry: CollectorRegistry | None) -> None:
+        """Per routed name (a model with versions) and version: the users' answers, the agreement
+        of shadow copies with them, and the items a failing version left to the stable one."""
+        self.version_requests = Counter(
+            "model_router_version_requests", "Requests to a model with versions, by the version routed to and outcome.",
+            ["model", "version", "outcome"], registry=registry,
+        )
+        self.version_agreement = Summary(
+            "model_router_version_agreement", "Agreement of a version's answers with another's on the same inputs "
+            "(0 to 1; top-1 for classifiers, matched-box F1 for detectors, or the plugin's own).",
+            ["model", "version", "against"], registry=registry,
+        )
+        self.version_fallbacks = Counter(
+            "model_router_version_fallbacks", "Items a non-stable version failed that the stable version answered.",
+            ["model"], registry=registry,
+        )
+
+    def observe_version(self, name: str, version: str, outcome: str, seconds: float) -> None:
+        self._child(self.version_requests, name, version, outcome).inc()
+
+    def observe_agreement(self, name: str, version: str, against: str, value: float) -> None:
+        self._child(self.version_agreement, name, version, against).observe(value)
+
+    def observe_fallback(self, name: str) -> None:
+        self._child(self.version_fallbacks, name).inc()
 
     def _pipeline_metrics(self, registry: CollectorRegistry | None) -> None:
         """Per pipeline and per step (`step`: its position and name, like `2:resnet18`). A step's
@@ -194,7 +221,7 @@ class RouterMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def family(self, metric: Counter | Histogram) -> list[Metric]:
+    def family(self, metric: Counter | Histogram | Summary) -> list[Metric]:
         """A metric's families as a scrape sees them: this process's, or every process's summed."""
         if self.multiprocess is None:
             return list(metric.collect())
@@ -251,6 +278,7 @@ class _StateCollector(Collector):
                 resident.add_metric([model.name, device], nbytes)
         yield from (depth, capacity, state, resident)
         yield from _device_families(runtime)
+        yield from _route_families(runtime)
 
 
 def _device_families(runtime: ServingFacade) -> Iterable[Metric]:
@@ -291,6 +319,25 @@ def _device_families(runtime: ServingFacade) -> Iterable[Metric]:
             used.add_metric([device], info.used_bytes)
             total.add_metric([device], info.total_bytes)
     yield from (reserved, weights, peak, budget, used, total, paused, running, high, low, probe_errors, restarts)
+
+
+def _route_families(runtime: ServingFacade) -> Iterable[Metric]:
+    """Each routed name's split, and its rollout's step and decisions."""
+    weight = GaugeMetricFamily("model_router_route_weight", "A version's share of its model's requests, in percent.",
+                               labels=["model", "version"])
+    step = GaugeMetricFamily("model_router_rollout_step", "The step a model's rollout is at (0 first); -1 when none runs.",
+                             labels=["model"])
+    decisions = CounterMetricFamily("model_router_rollout_decisions", "A rollout's decisions (step, promote, rollback).",
+                                    labels=["model", "action"])
+    for name, route in runtime.routes().items():
+        for version in route.versions:
+            weight.add_metric([name, version], route.weights.get(version, 0.0))
+        rollout = runtime.rollout(name) or {}
+        running = rollout.get("status") == "running"
+        step.add_metric([name], rollout.get("step", -1) if running else -1)
+        for action, count in (rollout.get("decisions") or {}).items():
+            decisions.add_metric([name, action], count)
+    yield from (weight, step, decisions)
 
 
 class _HostCollector(Collector):

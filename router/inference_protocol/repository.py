@@ -47,11 +47,13 @@ def server_metadata() -> dict[str, Any]:
     return {"name": SERVER_NAME, "version": __version__, "extensions": list(EXTENSIONS)}
 
 
-def model_metadata(model: ModelInfo, *, pipeline: str | None = None) -> dict[str, Any]:
+def model_metadata(model: ModelInfo, *, pipeline: str | None = None, name: str | None = None,
+                   versions: Sequence[str] = (MODEL_VERSION,)) -> dict[str, Any]:
     """A model's metadata; with `pipeline`, that pipeline's (it takes what its entry `model` takes),
-    on the platform Triton gives its ensembles."""
+    on the platform Triton gives its ensembles. `name` and `versions`: a model with versions, as
+    its clients name it (`model` is the version the call named, or the stable one)."""
     platform = "ensemble" if pipeline is not None else f"model-router/{model.plugin['name']}"
-    return {"name": pipeline or model.name, "versions": [MODEL_VERSION], "platform": platform,
+    return {"name": pipeline or name or model.name, "versions": list(versions), "platform": platform,
             **signature(model.accepts).metadata()}
 
 

@@ -7,19 +7,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from router.errors import EngineUnavailable, ModelNotFound
 from router.inference_protocol import repository
 from router.inference_protocol.submission import Entry
+from router.routing import VersionRouter
 from router.sdk.plugin import Payload
 from router.serving.facade import ServingFacade
 from router.serving.plan import PipelinePlan
 from router.serving.rules import Screened
 from router.serving.snapshots import ModelInfo
+from router.serving.versions import split_name
 from router.tracing.api import Phases
 
-__all__ = ["PipelineState", "Pipelines", "Target", "find_target", "is_ready", "repository_index"]
+__all__ = ["PipelineState", "Pipelines", "Target", "find_target", "is_ready", "repository_index", "served_version"]
 
 
 class PipelineState(Protocol):
@@ -36,6 +39,8 @@ class PipelineState(Protocol):
 class Pipelines(Protocol):
     """What V2 needs of the pipeline runner (`router.pipelines.PipelineRunner`, the front beside this one)."""
 
+    @property
+    def versions(self) -> VersionRouter: ...  # the front's version router, which every model name goes through
     def serves(self, name: str) -> bool: ...
     def plan(self, name: str) -> PipelinePlan: ...
     def info(self, name: str) -> PipelineState: ...
@@ -56,6 +61,7 @@ class Target:
     model: ModelInfo
     entry: Entry
     runner: Pipelines | None = None  # set for a pipeline
+    versions: tuple[str, ...] = (repository.MODEL_VERSION,)
 
     @property
     def pipeline(self) -> bool:
@@ -67,18 +73,33 @@ class Target:
         return self.runner.info(self.name).serving if self.runner is not None else self.model.serving
 
     def metadata(self) -> dict[str, Any]:
-        return repository.model_metadata(self.model, pipeline=self.name if self.runner is not None else None)
+        return repository.model_metadata(self.model, pipeline=self.name if self.runner is not None else None,
+                                         name=self.name, versions=self.versions)
 
 
 def find_target(runtime: ServingFacade, pipelines: Pipelines, name: str, version: str | None = None) -> Target:
     """What `name` names; 404 for neither a model nor a pipeline (listing both) or a version it lacks."""
+    versions = pipelines.versions
     if pipelines.serves(name):
-        target = Target(name, runtime.model(pipelines.plan(name).entry), Entry(name, pipelines.screen, pipelines.run),
+        plan = pipelines.plan(name)
+        target = Target(name, runtime.model(versions.target(plan.entry)), Entry(name, pipelines.screen, pipelines.run),
                         pipelines)
+    elif versions.serves(name):  # a model with versions: the pinned version's, else routed per request
+        pinned = version or None
+        model = runtime.model(versions.target(name, pinned))
+        entry = Entry(name, partial(versions.screen, version=pinned, route_key=None),
+                      partial(versions.submit, version=pinned))
+        return Target(name, model, entry, versions=versions.route(name).versions)
     else:
-        target = Target(name, pipelines.known_model(name), Entry.model(runtime, name))
+        target = Target(name, pipelines.known_model(name), Entry(name, versions.screen, versions.submit))
     repository.check_version(name, version)
     return target
+
+
+def served_version(answers: Sequence[Any]) -> str:
+    """The version that served a request's answers (`model_version`): its deployment's."""
+    model = getattr(answers[0], "model", "") if answers else ""
+    return split_name(model)[1] or repository.MODEL_VERSION
 
 
 def is_ready(runtime: ServingFacade, pipelines: Pipelines, name: str, version: str | None = None) -> bool:

@@ -35,7 +35,9 @@ class PipelineInfo:
 
 
 def pipeline_info(plan: PipelinePlan, facade: ServingFacade, requests: Mapping[str, int]) -> PipelineInfo:
-    models = {name: facade.model(name) for name in plan.models}
+    routes = facade.routes()  # a routed name's state is its stable version's
+    models = {name: facade.model(routes[name].deployment(routes[name].stable) if name in routes else name)
+              for name in plan.models}
     down = [f"model {name} is {info.state}" for name, info in models.items() if not info.serving]
     return PipelineInfo(
         name=plan.name, state="unavailable" if down else "ready", error="; ".join(down) or None,

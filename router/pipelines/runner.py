@@ -34,6 +34,7 @@ from router.errors import DeadlineExceeded, InputError, ModelError, ModelNotFoun
 from router.pipeline_config import StepConfig
 from router.pipelines.info import PipelineInfo, pipeline_info
 from router.pipelines.steps import PipelineAnswer, PipelineTelemetry, RequestSteps
+from router.routing import VersionRouter
 from router.sdk.images import decode_image
 from router.sdk.plugin import Payload
 from router.sdk.transforms import StepItem, Transform, Transformed
@@ -85,8 +86,11 @@ class PipelineRunner:
     """Runs the façade's pipelines; owns only their request counters and transform objects."""
 
     def __init__(self, facade: ServingFacade, *, clock: Callable[[], float] = time.monotonic,
-                 transforms: TransformRegistry | None = None) -> None:
+                 transforms: TransformRegistry | None = None, versions: VersionRouter | None = None) -> None:
         self.facade = facade
+        # Every model name a front serves goes through the version router (a pipeline's steps too):
+        # this runner holds the front's one router, which the other ways in use.
+        self.versions = versions if versions is not None else VersionRouter(facade, clock=clock)
         self.clock = clock
         self.telemetry: list[PipelineTelemetry] = []
         self.requests: defaultdict[str, Counter[str]] = defaultdict(Counter)
@@ -114,7 +118,7 @@ class PipelineRunner:
     def known_model(self, name: str) -> ModelInfo:
         """The model called `name`, for a route where the name could be a pipeline's too: its 404 lists both."""
         try:
-            return self.facade.model(name)
+            return self.facade.model(self.versions.target(name))
         except ModelNotFound as exc:
             raise self.not_found(name, exc) from None
 
@@ -145,7 +149,7 @@ class PipelineRunner:
         started = self.clock() if received_at is None else received_at
         try:
             with screening(lambda outcome: self._count(name, outcome, started)):
-                return self.facade.screen(plan.entry, priority=priority, timeout_ms=_budget_ms(plan, timeout_ms),
+                return self.versions.screen(plan.entry, priority=priority, timeout_ms=_budget_ms(plan, timeout_ms),
                                           received_at=received_at, items=items, body_bytes=body_bytes)
         except RouterError as exc:
             raise with_detail(exc, f"pipeline {name!r}: {exc.detail}") from None
@@ -189,7 +193,7 @@ class PipelineRunner:
 
     async def _entry_input(self, request: _Request, plan: PipelinePlan, payload: Payload) -> Payload:
         """The input decoded once, when the first model takes images: every step after it cuts from these pixels."""
-        accepts = self.facade.model(plan.entry).accepts
+        accepts = self.facade.model(self.versions.target(plan.entry)).accepts
         if payload.pixels is not None or not any(a.lower().startswith("image/") for a in accepts):
             return payload
         pixels = await self._off_loop(request, "input", decode_image, payload)
@@ -228,13 +232,13 @@ class PipelineRunner:
         trace = request.steps.item_path(key, model, now)
         try:
             if entry:
-                answer = await self.facade.submit(model, payload, priority=request.priority, timeout_ms=request.budget_ms,
+                answer = await self.versions.submit(model, payload, priority=request.priority, timeout_ms=request.budget_ms,
                                                   request_id=request.request_id, received_at=request.started, trace=trace,
                                                   screened=request.screened)
             elif left_ms <= 0:
                 raise DeadlineExceeded(f"the deadline passed before model {model!r}; the input was not run")
             else:
-                answer = await self.facade.submit(model, payload, priority=request.priority, timeout_ms=left_ms,
+                answer = await self.versions.submit(model, payload, priority=request.priority, timeout_ms=left_ms,
                                                   request_id=request.item_id(), received_at=now, trace=trace,
                                                   wait_for_room=True, must_finish=True)
         except RouterError as exc:

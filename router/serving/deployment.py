@@ -219,7 +219,7 @@ class Deployment:
             timeout_ms=config.timeout_ms, capacity=queue.max_size, occupancy=queue.occupancy,
             retry_after_s=queue.retry_after_s(now), refusal=refusal or self.refusal(now), forecast=forecast,
             idle=bool(idle), half_open_at=self.gate.last_at, half_open_interval_s=self.gate.interval_s,
-            last_sample_at=last_sample, at=now,
+            last_sample_at=last_sample, at=now, shadow=queue.shadow_occupancy,
         )
 
     def dispatch_horizon_s(self, instance: Runner, size: int, now: float) -> float:

@@ -30,6 +30,7 @@ from router.logs import new_request_id
 from router.scheduling.probes import MemoryProbe, make_probe
 from router.scheduling.queue import ModelQueue, Outcome, Refused, Served, Ticket, end_lease
 from router.scheduling.scheduler import DeviceScheduler
+from router.sdk.agreement import default_agreement
 from router.sdk.plugin import Payload, PluginContext
 from router.serving.checks import check_answer, check_media_type
 from router.serving.deployment import Deployment
@@ -44,9 +45,12 @@ from router.serving.loading import load_deployment
 from router.serving.phases import trace_execution
 from router.serving.plan import FleetPlan, PipelinePlan
 from router.serving.residency_executor import ResidencyExecutor, UnloadReport
+from router.serving.rollouts import Rollouts
 from router.serving.rules import Screened, Terms, budget_s, check_gate, has_room
 from router.serving.snapshots import DeviceInfo, ModelInfo, device_info, model_info
-from router.serving.telemetry import Telemetry, TelemetryFanout
+from router.serving.telemetry import Telemetry, TelemetryFanout, mirrored
+from router.serving.traffic import Observation, TrafficChange
+from router.serving.versions import VersionRoute, deployment_name
 from router.tracing.api import Phases, Tracing, within_phase
 
 __all__ = ["Answer", "Runtime"]
@@ -102,6 +106,8 @@ class Runtime:
         for name in self.plan.models:
             self._state.put(self._build(name, self.plan, 1))
         self._editor = FleetEditor(plan, self._state, self._residency, self._build, self.clock)
+        self.rollouts = Rollouts(self._editor.set_traffic, lambda: (self._editor.plan.routes,
+                                                                    self._editor.plan.fleet.routes), self.clock)
 
     # -- construction and lifecycle ---------------------------------------------------------
 
@@ -157,6 +163,7 @@ class Runtime:
         for deployment in self._state:
             self._state.attach(deployment)
         self._load_task = asyncio.create_task(self.load_all(), name="load-models")
+        await self.rollouts.start()
 
     def add_telemetry(self, sink: Telemetry) -> None:
         """Also report events (requests, queue waits, batches) to `sink`."""
@@ -218,7 +225,8 @@ class Runtime:
         """Add or change a model from its fleet-file section: (added | changed | unchanged, its snapshot)."""
         self._check_open()
         outcome = await self._editor.put(name, section, f"{source}/{name}")
-        return outcome, self.model(name)
+        route = self._editor.plan.routes.get(name)  # a model with versions: its stable version's snapshot
+        return outcome, self.model(route.deployment(route.stable) if route is not None else name)
 
     async def delete_model(self, name: str) -> None:
         """Stop taking requests for a model, answer what it accepted, unload it."""
@@ -227,7 +235,9 @@ class Runtime:
     async def reload(self, path: Path | None = None) -> ReloadReport:
         """Re-read the fleet file (the one served, unless `path`) and apply the difference."""
         self._check_open()
-        return await self._editor.reload(path or Path(self._editor.plan.source))
+        report = await self._editor.reload(path or Path(self._editor.plan.source))
+        await self.rollouts.start()
+        return report
 
     def pipelines(self) -> list[PipelinePlan]:
         """The pipelines served now (their runner, a front, reads them here: they change at run time)."""
@@ -245,6 +255,41 @@ class Runtime:
     async def delete_pipeline(self, name: str) -> None:
         """Stop serving a pipeline (requests inside it finish)."""
         await self._editor.delete_pipeline(name)
+
+    # -- versions -------------------------------------------------------------------------------
+
+    def routes(self) -> Mapping[str, VersionRoute]:
+        """The routed names (models with versions) and their routes now."""
+        return self._editor.plan.routes
+
+    async def put_version(self, name: str, version: str, section: Mapping[str, Any],
+                          source: str = "PUT /models") -> tuple[str, ModelInfo]:
+        """Add or change one version of a routed name: (added | changed | unchanged, its snapshot)."""
+        self._check_open()
+        outcome = await self._editor.put_version(name, version, section, f"{source}/{name}/versions/{version}")
+        return outcome, self.model(deployment_name(name, version))
+
+    async def delete_version(self, name: str, version: str) -> None:
+        """Remove a version that takes no traffic (answering what it accepted)."""
+        await self._editor.delete_version(name, version)
+
+    async def set_traffic(self, name: str, change: TrafficChange) -> VersionRoute:
+        """Change a routed name's split, stable version or mirror, whole: the new route."""
+        return await self.rollouts.set_traffic(name, change)
+
+    def rollout(self, name: str) -> dict[str, Any] | None:
+        """The rollout of a routed name, running or ended; None if it has had none."""
+        return self.rollouts.describe(name)
+
+    def agreement(self, model: str, answer: Any, other: Any) -> float | None:
+        """How two answers of `model`'s plugin agree (its `agreement` hook)."""
+        plugin = self._state.get(model).front_instance().plugin
+        hook = getattr(plugin, "agreement", None)
+        return hook(answer, other) if hook is not None else default_agreement(answer, other)
+
+    def report_versions(self, observation: Observation) -> None:
+        """A front's observation of a version's answer, for the route's rollout."""
+        self.rollouts.observe(observation)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -299,6 +344,7 @@ class Runtime:
     async def stop(self) -> None:
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
+        await self.rollouts.stop()
         await self._residency.stop()
         for scheduler in self._state.schedulers.values():
             await scheduler.stop()
@@ -339,7 +385,8 @@ class Runtime:
 
     async def submit(self, model: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
                      request_id: str | None = None, received_at: float | None = None, trace: Phases | None = None,
-                     wait_for_room: bool = False, must_finish: bool = False, screened: Screened | None = None) -> Answer:
+                     wait_for_room: bool = False, must_finish: bool = False, screened: Screened | None = None,
+                     shadow: bool = False) -> Answer:
         """Run one input through a model. Raises a RouterError subclass on any failure.
         `screened`: the request's screen (`screen`); here the commit decides on the live figures
         of its moment all the same, so nothing of it is read again.
@@ -348,15 +395,23 @@ class Runtime:
         A pipeline's later steps ask for two things more: `wait_for_room`, a full queue is
         waited on until the deadline (then 504, not run) instead of refused with 503; and
         `must_finish`, an input predicted to be answered after its deadline is refused with 504
-        without running, even by an idle model (`router.serving.rules.check_gate`)."""
+        without running, even by an idle model (`router.serving.rules.check_gate`). `shadow`: a
+        mirrored copy (`router.routing.mirror`), admitted only into spare device capacity."""
         deployment = self._state.get(model)
         request_id = request_id or new_request_id()
         started = self.clock() if received_at is None else min(received_at, self.clock())
-        terms = Terms(deployment.name, started, priority, timeout_ms, must_finish=must_finish)
+        terms = Terms(deployment.name, started, priority, timeout_ms, must_finish=must_finish, shadow=shadow)
+        if shadow:  # a mirrored copy: counted apart, never as a user's request
+            return await self._shadow(deployment, terms, payload, request_id)
         with self._inflight.request(lambda outcome: self._count(deployment.name, outcome, started)):
             work = self._admitted(deployment, terms, payload, request_id, trace, wait_for_room)
             answer, deadline = await (work if trace is None else within_phase(trace, "admission", self.clock, work))
             self.telemetry.observe_answer(deployment.name, self.clock() - started, deadline - started)
+            return answer
+
+    async def _shadow(self, deployment: Deployment, terms: Terms, payload: Payload, request_id: str) -> Answer:
+        with mirrored(self.telemetry, deployment.name), self._inflight.request(lambda outcome: None):
+            answer, _ = await self._admitted(deployment, terms, payload, request_id, None)
             return answer
 
     async def _admitted(self, deployment: Deployment, terms: Terms, payload: Payload, request_id: str,

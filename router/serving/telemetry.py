@@ -6,15 +6,30 @@ to `observe_request` (a user's), labelled by `mirror_outcome`."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 from router.errors import DeadlineExceeded, Overloaded
 
-__all__ = ["MIRROR_OUTCOMES", "Telemetry", "TelemetryFanout", "mirror_outcome"]
+__all__ = ["MIRROR_OUTCOMES", "Telemetry", "TelemetryFanout", "mirror_outcome", "mirrored"]
 
 #: The outcomes of a mirrored copy: taken into spare capacity, answered, refused or crowded out
 #: for lack of spare capacity, failed in its model, or past its deadline.
 MIRROR_OUTCOMES = ("admitted", "served", "shed", "failed", "expired")
+
+
+@contextmanager
+def mirrored(telemetry: Telemetry, model: str) -> Iterator[None]:
+    """A mirrored copy's submission: its outcome to `observe_mirror` when the block ends."""
+    error: BaseException | None = None
+    try:
+        yield
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        telemetry.observe_mirror(model, mirror_outcome(error))
 
 
 def mirror_outcome(error: BaseException | None) -> str:

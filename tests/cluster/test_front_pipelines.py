@@ -41,7 +41,7 @@ class InProcessReplica:
         try:
             answer = await self.runtime.submit(call.model, payload, priority=call.priority, timeout_ms=call.timeout_ms,
                                                request_id=call.request_id, wait_for_room=call.wait_for_room,
-                                               must_finish=call.must_finish)
+                                               must_finish=call.must_finish, shadow=call.shadow)
         except RouterError as exc:
             return Reply("r1", error=ErrorReply.of(exc))
         return Reply("r1", answer=answer)

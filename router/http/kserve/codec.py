@@ -143,11 +143,11 @@ def _requested_outputs(value: Any) -> tuple[RequestedOutput, ...] | None:
 
 def encode_response(
     model: str, request: InferRequest, outputs: Sequence[RequestedOutput], answers: Sequence[Any],
-    regions: ClientRegions | None = None,
+    regions: ClientRegions | None = None, *, version: str = MODEL_VERSION,
 ) -> tuple[bytes, int | None]:
     """The response body, and the JSON header's length when binary output data follows it. An output
     asked for in shared memory is written there (through `regions`) and answers with no data."""
-    header: dict[str, Any] = {"model_name": model, "model_version": MODEL_VERSION}
+    header: dict[str, Any] = {"model_name": model, "model_version": version}
     if request.id is not None:
         header["id"] = request.id
     header["outputs"] = []

@@ -29,7 +29,7 @@ from router.inference_protocol import repository
 from router.inference_protocol.request import InferRequest, router_priority
 from router.inference_protocol.shared_memory import ClientRegions
 from router.inference_protocol.submission import Ran, item_traces, run_request
-from router.inference_protocol.targets import Target, find_target
+from router.inference_protocol.targets import Target, find_target, served_version
 from router.inference_protocol.targets import repository_index as repository_entries
 from router.sdk.bounded_json import loads_bounded
 from router.tracing.api import Phases
@@ -103,7 +103,7 @@ async def infer(name: FromPath[str], request: Request[Any, Any, Any]) -> Respons
     if trace is not None:
         trace.enter("respond")  # from the runtime's answer
     content, header_length = encode_response(name, decoded, ran.outputs, [answer.output for answer in ran.answers],
-                                             regions)
+                                             regions, version=served_version(ran.answers))
     if header_length is None:
         return Response(content, media_type=MediaType.JSON)
     return Response(content, media_type="application/octet-stream", headers={HEADER_LENGTH: str(header_length)})
