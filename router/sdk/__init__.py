@@ -6,10 +6,11 @@ See docs/plugins.md for the contract: which thread runs each hook, the memory es
 what KServe V2 hands to `preprocess`, and the errors to raise. Besides model plugins, the SDK
 holds the other kinds of entry point a plugin distribution may declare: exporters
 (`Exporter`, for `model-router export`), demo files (`DemoFile`, for `model-router store
-init-demo`) and pipeline transforms (`Transform`, docs/pipelines.md). `loads_bounded` parses a
-client's JSON with its nesting and size bounded (400 or 413, never a RecursionError). Importing it
-never imports torch: `activation_bytes` and `tensor_bytes` (torch helpers for memory estimates)
-load it when first used, the demo helpers when called.
+init-demo`) and pipeline transforms (`Transform`, docs/pipelines.md). `default_agreement`,
+`top1_agreement` and `box_f1` measure how far two answers agree (`ModelPlugin.agreement`).
+`loads_bounded` parses a client's JSON with its nesting and size bounded (400 or 413, never a
+RecursionError). Importing it never imports torch: `activation_bytes` and `tensor_bytes` (torch
+helpers for memory estimates) load it when first used, the demo helpers when called.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from router.devices import device_index, require_cuda_for_half
 from router.errors import DeviceOutOfMemory, InputError, PayloadTooLarge, UnsupportedMediaType
+from router.sdk.agreement import box_f1, default_agreement, iou, top1_agreement
 from router.sdk.bounded_json import MAX_JSON_DEPTH, loads_bounded
 from router.sdk.demo import DEMO_FILES_GROUP, DemoFile, calibrate_batchnorm, synthetic_images
 from router.sdk.exporter import EXPORTERS_GROUP, Exporter, ExportError, ExportJob, Progress, SourceModel
@@ -79,11 +81,14 @@ __all__ = [
     "Transformed",
     "UnsupportedMediaType",
     "activation_bytes",
+    "box_f1",
     "calibrate_batchnorm",
     "decode_image",
+    "default_agreement",
     "device_index",
     "example_jpeg",
     "image_size",
+    "iou",
     "loads_bounded",
     "open_image",
     "partial_file",
@@ -91,6 +96,7 @@ __all__ = [
     "require_cuda_for_half",
     "synthetic_images",
     "tensor_bytes",
+    "top1_agreement",
 ]
 
 _TORCH_HELPERS = ("activation_bytes", "tensor_bytes")

@@ -6,7 +6,8 @@ device and may keep state (the loaded network) on itself.
 
 Required: `load`, `preprocess`, `predict_batch`, `memory_estimate`.
 Optional hooks with defaults: `postprocess`, `describe_input`, `example_payload`, `warmup`, `unload`,
-and for a host split into processes (`workers: N`), `front_state` and `adopt_front_state`.
+`agreement` (how far two answers agree, for comparing versions), and for a host split into
+processes (`workers: N`), `front_state` and `adopt_front_state`.
 Optional class attribute: `answers`, what `postprocess` answers, which pipelines' transforms check.
 
 Where each hook runs. With one process, all of them run in it. With `workers: N` the host has N
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict
+
+from router.sdk.agreement import default_agreement
 
 __all__ = [
     "DETECTIONS",
@@ -191,3 +194,11 @@ class ModelPlugin(ABC, Generic[OptionsT]):
     def adopt_front_state(self, state: Any) -> None:
         """In a front process, on an object that was constructed but never loaded: take what the
         engine's loaded object returned from `front_state`, before any `preprocess`."""
+
+    def agreement(self, answer: Any, other: Any) -> float | None:
+        """How far two answers of this plugin to the same input agree: 1.0 the same, 0.0 nothing in
+        common, None when they cannot be compared. Versions of a model are compared with it (a
+        rollout's candidate against the stable version, a mirror against the version routed to).
+        The default compares top-1 classes (`top_k`), boxes by F1 (`detections`) or equal JSON
+        (`router.sdk.agreement`); a plugin whose answers need another measure overrides it."""
+        return default_agreement(answer, other)
