@@ -44,6 +44,7 @@ class ScriptedOptions(BaseModel):
     slow_factor: float = Field(1.0, ge=1.0, description="a cold start under load: lazy set-up, cold caches, contention")
     record: str | None = None
     stdlib_json: bool = Field(False, description="parse with json.loads, as a plugin that skips the SDK's loader")
+    label: str | None = Field(None, description="added to each answer: versions with other labels disagree")
 
 
 class ScriptedPlugin(ModelPlugin[ScriptedOptions]):
@@ -97,6 +98,8 @@ class ScriptedPlugin(ModelPlugin[ScriptedOptions]):
         self._record(items, start, end)
         if options.fail == "always" or (options.fail == "marked" and any(i.startswith("fail") for i in items)):
             raise RuntimeError(f"scripted failure in batch {batch}")
+        if options.label is not None:
+            return [{"id": item, "batch": batch, "label": options.label} for item in items]
         return [{"id": item, "batch": batch} for item in items]
 
     def postprocess(self, output: Any, item: Any) -> Any:
@@ -108,6 +111,10 @@ class ScriptedPlugin(ModelPlugin[ScriptedOptions]):
 
     def unload(self) -> None:
         self.loaded = False
+
+    def agreement(self, answer: Any, other: Any) -> float | None:
+        """Two answers agree when they name the same input and label (the batch number is the run's own)."""
+        return 1.0 if (answer["id"], answer.get("label")) == (other["id"], other.get("label")) else 0.0
 
     def adopt_front_state(self, state: Any) -> None:
         """A split host's front process: this object was never loaded, but the engine's is."""
