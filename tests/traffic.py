@@ -3,7 +3,9 @@ trouble, and closed-loop clients that post scripted-plugin requests to it until 
 
 Its `cuda:0` is read by the real `NvmlProbe` through a stand-in NVML library (tests/fake_nvml):
 95% of the memory used and every third read failing, so admission there pauses and its model's
-requests expire (504). `hung` stalls its instance for 15 s once sent `{"id": "hang"}`.
+requests expire (504). `hung` stalls its instance for 15 s once sent `{"id": "hang"}`. `split` has
+two versions on a device of its own (`cuda:1`, read as host memory) so that its shadow copies find
+the device idle between requests; version 2 answers otherwise, so its rollout is rolled back.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ FLEET = """
 devices:
   cpu: {probe: host}
   cuda:0: {probe: nvml}
+  cuda:1: {probe: host}
 models:
   steady: {plugin: scripted, device: cpu, options: {fixed_ms: 10, per_item_ms: 1}, batch: {max_size: 8, max_delay_ms: 5}}
   slow: {plugin: scripted, device: cpu, options: {fixed_ms: 80}, batch: {max_size: 1}, queue: {max_size: 5, timeout_ms: 30000}}
@@ -33,6 +36,9 @@ models:
          execution: {timeout_ms: 200}}
   broken: {plugin: scripted, device: cpu, required: false, options: {load_error: "weights file is corrupt"}}
   pressed: {plugin: scripted, device: "cuda:0", required: false, memory: {profile: false}, queue: {timeout_ms: 300}}
+  split: {plugin: scripted, device: "cuda:1", options: {fixed_ms: 2, label: a}, batch: {max_size: 4, max_delay_ms: 2},
+          versions: {"1": {}, "2": {options: {label: b}}}, mirror: {version: "2", percent: 50},
+          rollout: {candidate: "2", steps: [20, 100], step_min_s: 0, min_samples: 20}}
 """
 NVML = {"PYTHONPATH": f"{REPO / 'tests' / 'fake_nvml'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         "FAKE_NVML_USED_FRACTION": "0.95", "FAKE_NVML_FAIL_EVERY": "3"}
@@ -93,4 +99,5 @@ def traffic(url: str, clients: Sequence[Client], headers: dict[str, str] | None 
 TRAFFIC = [*(Client("steady", bad_every=10) for _ in range(3)),
            Client("flaky", bad_every=3, bad_body=b'{"id": "fail-now"}', pause_s=0.05),
            *(Client("slow") for _ in range(8)),  # 1 running, 5 queued, the rest refused
-           Client("broken", pause_s=0.2), Client("pressed", pause_s=0.1)]
+           Client("broken", pause_s=0.2), Client("pressed", pause_s=0.1),
+           Client("split", pause_s=0.02)]  # versions on a device of their own: copies find it idle

@@ -74,7 +74,7 @@ def demo_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with network_refused() as attempts:
         built = init_demo(store, progress=lambda line: None)
     assert attempts == [], f"init_demo tried to reach the network: {attempts}"
-    assert {p.name for p in built} == {"yolov8n.pt", "resnet18.pt"}
+    assert {p.name for p in built} == {"yolov8n.pt", "resnet18.pt", "resnet18-b.pt"}
     return store
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_router_resnet.demo import RESNET18
+from model_router_resnet.demo import RESNET18, RESNET18_B
 from model_router_yolo.demo import YOLOV8N
 
 from router.sdk import DemoFile
@@ -24,22 +24,25 @@ def test_each_demo_file_is_declared_by_the_plugin_that_serves_it() -> None:
     assert {name: (e.target, e.distribution) for name, e in found.entries.items()} == {
         "yolov8n": (YOLOV8N, "vision-model-router-yolo"),
         "resnet18": (RESNET18, "vision-model-router-resnet"),
+        "resnet18-b": (RESNET18_B, "vision-model-router-resnet"),
     }
 
 
 def test_init_demo_skips_files_that_exist(demo_store: Path) -> None:
     lines: list[str] = []
     assert init_demo(demo_store, progress=lines.append) == []
-    assert [line.split(":")[0] for line in lines] == ["skip resnet18.pt", "skip yolov8n.pt"]
+    assert [line.split(":")[0] for line in lines] == ["skip resnet18-b.pt", "skip resnet18.pt", "skip yolov8n.pt"]
 
 
 def test_init_demo_builds_the_same_weights_every_time(demo_store: Path, tmp_path: Path) -> None:
     (tmp_path / "resnet18.pt").write_bytes(b"stale")
     lines: list[str] = []
     built = init_demo(tmp_path, force=True, progress=lines.append)
-    assert [p.name for p in built] == ["resnet18.pt", "yolov8n.pt"]
-    assert any(line.startswith("[2/2] yolov8n.pt: done") for line in lines)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["resnet18.pt", "yolov8n.pt"]  # no partial files left
+    assert [p.name for p in built] == ["resnet18-b.pt", "resnet18.pt", "yolov8n.pt"]
+    assert any(line.startswith("[3/3] yolov8n.pt: done") for line in lines)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["resnet18-b.pt", "resnet18.pt", "yolov8n.pt"]  # no partial files
+    second = torch.load(tmp_path / "resnet18-b.pt", weights_only=True)
+    assert any(not torch.equal(second[k], v) for k, v in torch.load(tmp_path / "resnet18.pt", weights_only=True).items())
     again, first = (torch.load(store / "resnet18.pt", weights_only=True) for store in (tmp_path, demo_store))
     assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
     from ultralytics import YOLO
@@ -76,3 +79,4 @@ def test_the_command_line_prints_progress_and_what_it_built(demo_store: Path) ->
     assert done.returncode == 0, done.stderr
     assert done.stdout == ""  # nothing built: both files exist
     assert "skip resnet18.pt: already in" in done.stderr and "skip yolov8n.pt: already in" in done.stderr
+    assert "skip resnet18-b.pt: already in" in done.stderr
