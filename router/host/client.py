@@ -19,7 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -41,7 +41,23 @@ from router.host.heartbeat import HEARTBEAT_EVERY_S, Heartbeat
 from router.host.messages import CallReply, Lags, Models, Observed, Packed, PayloadRef, Reply, Snapshot, Submit
 from router.host.packing import Packer, unpack
 from router.host.stream import EngineStream, handshake
-from router.host.verbs import call_args, decode_result, pipeline_from_wire
+from router.host.verbs import (
+    AdminVerb,
+    BeginDrain,
+    DeleteModel,
+    DeletePipeline,
+    DeleteVersion,
+    LoadModel,
+    PutModel,
+    PutPipeline,
+    PutVersion,
+    ReleaseModel,
+    Reload,
+    SetTraffic,
+    UnloadModel,
+    Verb,
+    pipeline_from_wire,
+)
 from router.logs import new_request_id
 from router.sdk.agreement import default_agreement
 from router.sdk.plugin import Payload
@@ -69,6 +85,7 @@ START_WAIT_S = 60.0
 LAGS_EVERY_S = 0.05
 #: Observations of versions kept for the engine between two sends.
 MAX_OBSERVED = 10_000
+R = TypeVar("R")
 
 
 class EngineClient:
@@ -435,35 +452,36 @@ class EngineClient:
 
     # -- operators' changes and lifecycle --------------------------------------------------------
 
-    async def _call(self, verb: str, **args: Any) -> Any:
+    async def _call(self, verb: Verb[R]) -> R:
+        """One admin verb run by the engine: what it returns, or its error raised here."""
         await asyncio.wait_for(self._synced.wait(), 30.0)
         if (away := self._away()) is not None:  # silent: it would not answer
             raise away
-        reply = await self._exchanges.call(verb, call_args(**args))
+        reply = await self._exchanges.call(cast(AdminVerb, verb))  # every Verb is one of AdminVerb
         if reply.failure is not None:
             if reply.failure.kind == "ConfigError":
                 raise ConfigError(reply.failure.detail)
             raise reply.failure.error()
-        return decode_result(verb, reply.result)
+        return verb.result(reply.result)
 
     async def load_model(self, name: str) -> ModelInfo:
-        return await self._call("load", name=name)  # type: ignore[no-any-return]
+        return await self._call(LoadModel(name))
 
     async def unload_model(self, name: str) -> tuple[ModelInfo, list[UnloadReport]]:
-        return await self._call("unload", name=name)  # type: ignore[no-any-return]
+        return await self._call(UnloadModel(name))
 
     async def release_model(self, name: str, *, unload: bool = False) -> tuple[ModelInfo, list[UnloadReport]]:
-        return await self._call("release", name=name, unload=unload)  # type: ignore[no-any-return]
+        return await self._call(ReleaseModel(name, unload))
 
     async def put_model(self, name: str, section: Mapping[str, Any],
                         source: str = "PUT /models") -> tuple[str, ModelInfo]:
-        return await self._call("put", name=name, section=dict(section), source=source)  # type: ignore[no-any-return]
+        return await self._call(PutModel(name, dict(section), source))
 
     async def delete_model(self, name: str) -> None:
-        await self._call("delete", name=name)
+        await self._call(DeleteModel(name))
 
     async def reload(self, path: Path | None = None) -> ReloadReport:
-        return await self._call("reload", path=str(path) if path else None)  # type: ignore[no-any-return]
+        return await self._call(Reload(str(path) if path else None))
 
     # Pipelines: the engine's editor holds their definitions; this front's pipeline runner runs
     # them through `submit`, reading the definitions the engine last sent.
@@ -476,13 +494,13 @@ class EngineClient:
 
     async def put_pipeline(self, name: str, section: Mapping[str, Any],
                            source: str = "PUT /pipelines") -> tuple[str, PipelinePlan]:
-        outcome, wire = await self._call("put_pipeline", name=name, section=dict(section), source=source)
+        outcome, wire = await self._call(PutPipeline(name, dict(section), source))
         plan = pipeline_from_wire(wire)
         self._pipelines[plan.name] = plan  # served here at once; `Models` confirms it
         return outcome, plan
 
     async def delete_pipeline(self, name: str) -> None:
-        await self._call("delete_pipeline", name=name)
+        await self._call(DeletePipeline(name))
         self._pipelines.pop(name, None)
 
     # Versions: the engine owns the routes and their rollouts; this front routes by the routes it
@@ -493,14 +511,13 @@ class EngineClient:
 
     async def put_version(self, name: str, version: str, section: Mapping[str, Any],
                           source: str = "PUT /models") -> tuple[str, ModelInfo]:
-        return await self._call("put_version", name=name, version=version, section=dict(section),  # type: ignore[no-any-return]
-                                source=source)
+        return await self._call(PutVersion(name, version, dict(section), source))
 
     async def delete_version(self, name: str, version: str) -> None:
-        await self._call("delete_version", name=name, version=version)
+        await self._call(DeleteVersion(name, version))
 
     async def set_traffic(self, name: str, change: TrafficChange) -> VersionRoute:
-        route: VersionRoute = await self._call("set_traffic", name=name, change=change)
+        route = await self._call(SetTraffic(name, change))
         self._routes = {**self._routes, name: route}  # routed here at once; `Models` confirms it
         return route
 
@@ -525,7 +542,7 @@ class EngineClient:
             log.info("front %d draining: %d request(s) in flight", self.front, self._inflight.count)
         self._draining = True
         if self._stream is not None:
-            self._spawn(self._call("begin_drain"), "begin-drain")
+            self._spawn(self._call(BeginDrain()), "begin-drain")
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new work; wait for this front's requests to be answered; 503 to what is left."""

@@ -18,6 +18,7 @@ from router.errors import DeadlineExceeded, EngineUnavailable
 from router.host.arena import Arena
 from router.host.messages import Call, CallReply, Cancel, Packed, Release, Reply, Submit
 from router.host.stream import EngineStream
+from router.host.verbs import AdminVerb
 
 __all__ = ["ENGINE_GONE", "GRACE_S", "Exchanges", "engine_gone", "engine_silent"]
 
@@ -119,14 +120,14 @@ class Exchanges:
         if self.stream is not None and packed.regions:
             self.stream.send(Release(tuple(offset for offset, _ in packed.regions)))
 
-    async def call(self, verb: str, args: bytes) -> CallReply:
+    async def call(self, verb: AdminVerb) -> CallReply:
         stream = self.stream
         if stream is None:
             raise engine_gone()
         number = self.number()
         future: asyncio.Future[CallReply] = asyncio.get_running_loop().create_future()
         self._calls[number] = future
-        stream.send(Call(number, verb, args))
+        stream.send(Call(number, verb))
         return await future
 
     def on_call_reply(self, reply: CallReply) -> None:

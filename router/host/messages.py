@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from router.errors import RouterError, error_named
+from router.host.verbs import AdminVerb
 from router.scheduling.queue import BatchFacts
 from router.serving.rules import Terms
 from router.serving.traffic import Observation
@@ -145,9 +146,10 @@ class Observed(_Message):
 
 
 class Call(_Message):
+    """An admin verb for the engine's runtime, its arguments in it (`router.host.verbs`); one `CallReply` answers it."""
+
     id: int
-    verb: str
-    args: bytes  # msgpack
+    verb: AdminVerb
 
 
 # -- engine -> front --------------------------------------------------------------------------------

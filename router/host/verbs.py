@@ -1,19 +1,19 @@
-"""The admin verbs a front forwards to the engine (`Call` -> `CallReply`), and their encoding.
+"""The admin verbs a front forwards to the engine, each one typed message (`Call` -> `CallReply`).
 
-A front's admin routes (load, unload, PUT, DELETE, reload) and its drain reach the one runtime
-there is, in the engine; results travel as msgpack of the same frozen snapshots the routes show.
+A front's admin routes (load, unload, PUT, DELETE, reload, versions, splits) and its drain reach
+the one runtime there is, in the engine. Each verb is declared once, here: its arguments (the
+struct's fields, tagged by its class name), what it returns (`Verb[R]`: the reply's result
+decodes as `R`) and how the engine runs it (`apply`). Results travel as msgpack of the same
+frozen snapshots the routes show.
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, ClassVar, Generic, TypeVar, get_args, get_origin
 
 import msgspec
 
-from router.errors import ConfigError, RouterError
-from router.host.messages import Call, CallReply, Failure
 from router.pipeline_config import PipelineConfig
 from router.serving.editor import ReloadReport
 from router.serving.plan import PipelinePlan
@@ -23,24 +23,29 @@ from router.serving.snapshots import ModelInfo
 from router.serving.traffic import TrafficChange
 from router.serving.versions import VersionRoute
 
-__all__ = ["RESULT_TYPES", "call_args", "pipeline_from_wire", "pipeline_wire", "run_call"]
+__all__ = [
+    "AdminVerb",
+    "BeginDrain",
+    "DeleteModel",
+    "DeletePipeline",
+    "DeleteVersion",
+    "LoadModel",
+    "PutModel",
+    "PutPipeline",
+    "PutVersion",
+    "ReleaseModel",
+    "Reload",
+    "SetTraffic",
+    "UnloadModel",
+    "Verb",
+    "pipeline_from_wire",
+    "pipeline_wire",
+]
 
-log = logging.getLogger("router.host.verbs")
-#: What each verb returns, to decode its result on the front's side.
-RESULT_TYPES: Final[dict[str, Any]] = {
-    "load": ModelInfo,
-    "unload": tuple[ModelInfo, list[UnloadReport]],
-    "release": tuple[ModelInfo, list[UnloadReport]],
-    "put": tuple[str, ModelInfo],
-    "delete": None,
-    "reload": ReloadReport,
-    "put_pipeline": tuple[str, dict[str, Any]],  # (outcome, `pipeline_wire`)
-    "delete_pipeline": None,
-    "begin_drain": None,
-    "put_version": tuple[str, ModelInfo],
-    "delete_version": None,
-    "set_traffic": VersionRoute,
-}
+R = TypeVar("R")
+Reports = tuple[ModelInfo, list[UnloadReport]]
+#: A pipeline's outcome (added | changed | unchanged) and its plan as `pipeline_wire`.
+PipelineOutcome = tuple[str, dict[str, Any]]
 
 
 def pipeline_wire(plan: PipelinePlan) -> dict[str, Any]:
@@ -53,58 +58,121 @@ def pipeline_from_wire(data: dict[str, Any]) -> PipelinePlan:
     return PipelinePlan(data["name"], PipelineConfig.model_validate(data["config"]), tuple(data["models"]), data["entry"])
 
 
-def call_args(**kwargs: Any) -> bytes:
-    return msgspec.msgpack.encode(kwargs)
+class Verb(msgspec.Struct, Generic[R], frozen=True, array_like=True, tag=True, gc=False):
+    """An admin verb that returns an `R`: its fields are its arguments, its class name its tag."""
+
+    #: `R` itself, taken from the subclass's base `Verb[R]`: the reply's result decodes as this.
+    returns: ClassVar[Any]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in getattr(cls, "__orig_bases__", ()):
+            if get_origin(base) is Verb:
+                cls.returns = get_args(base)[0]
+
+    async def apply(self, runtime: Runtime) -> R:
+        """Run the verb on the engine's runtime."""
+        raise NotImplementedError
+
+    def result(self, data: bytes) -> R:
+        """The reply's result, as this verb returns it."""
+        value: R = msgspec.msgpack.decode(data, type=type(self).returns)
+        return value
 
 
-async def run_call(runtime: Runtime, call: Call, news: Any = None) -> CallReply:
-    """Run one verb on the runtime; its result or its error as a reply."""
-    args = msgspec.msgpack.decode(call.args) if call.args else {}
-    try:
-        result = await _run(runtime, call.verb, args)
-    except RouterError as exc:
-        return CallReply(call.id, failure=Failure.of(exc))
-    except ConfigError as exc:
-        return CallReply(call.id, failure=Failure("ConfigError", str(exc)))
-    except Exception as exc:  # a bug: the front answers 500, the engine logs it once
-        log.exception("admin call %s failed", call.verb)
-        return CallReply(call.id, failure=Failure("ModelError", f"{call.verb} failed: {type(exc).__name__}: {exc}"))
-    return CallReply(call.id, msgspec.msgpack.encode(result))
+class LoadModel(Verb[ModelInfo]):
+    name: str
+
+    async def apply(self, runtime: Runtime) -> ModelInfo:
+        return await runtime.load_model(self.name)
 
 
-async def _run(runtime: Runtime, verb: str, args: dict[str, Any]) -> Any:
-    if verb == "load":
-        return await runtime.load_model(args["name"])
-    if verb == "unload":
-        return await runtime.unload_model(args["name"])
-    if verb == "release":
-        return await runtime.release_model(args["name"], unload=bool(args.get("unload")))
-    if verb == "put":
-        return await runtime.put_model(args["name"], args["section"], args.get("source", "PUT /models"))
-    if verb == "delete":
-        await runtime.delete_model(args["name"])
-        return None
-    if verb == "reload":
-        return await runtime.reload(Path(args["path"]) if args.get("path") else None)
-    if verb == "put_pipeline":
-        outcome, plan = await runtime.put_pipeline(args["name"], args["section"], args.get("source", "PUT /pipelines"))
+class UnloadModel(Verb[Reports]):
+    name: str
+
+    async def apply(self, runtime: Runtime) -> Reports:
+        return await runtime.unload_model(self.name)
+
+
+class ReleaseModel(Verb[Reports]):
+    name: str
+    unload: bool
+
+    async def apply(self, runtime: Runtime) -> Reports:
+        return await runtime.release_model(self.name, unload=self.unload)
+
+
+class PutModel(Verb[tuple[str, ModelInfo]]):
+    name: str
+    section: dict[str, Any]
+    source: str
+
+    async def apply(self, runtime: Runtime) -> tuple[str, ModelInfo]:
+        return await runtime.put_model(self.name, self.section, self.source)
+
+
+class DeleteModel(Verb[None]):
+    name: str
+
+    async def apply(self, runtime: Runtime) -> None:
+        await runtime.delete_model(self.name)
+
+
+class Reload(Verb[ReloadReport]):
+    path: str | None  # None: the fleet file served
+
+    async def apply(self, runtime: Runtime) -> ReloadReport:
+        return await runtime.reload(Path(self.path) if self.path else None)
+
+
+class PutPipeline(Verb[PipelineOutcome]):
+    name: str
+    section: dict[str, Any]
+    source: str
+
+    async def apply(self, runtime: Runtime) -> PipelineOutcome:
+        outcome, plan = await runtime.put_pipeline(self.name, self.section, self.source)
         return outcome, pipeline_wire(plan)
-    if verb == "delete_pipeline":
-        await runtime.delete_pipeline(args["name"])
-        return None
-    if verb == "put_version":
-        return await runtime.put_version(args["name"], args["version"], args["section"], args.get("source", "PUT /models"))
-    if verb == "delete_version":
-        await runtime.delete_version(args["name"], args["version"])
-        return None
-    if verb == "set_traffic":
-        return await runtime.set_traffic(args["name"], msgspec.convert(args["change"], TrafficChange))
-    if verb == "begin_drain":
+
+
+class DeletePipeline(Verb[None]):
+    name: str
+
+    async def apply(self, runtime: Runtime) -> None:
+        await runtime.delete_pipeline(self.name)
+
+
+class BeginDrain(Verb[None]):
+    async def apply(self, runtime: Runtime) -> None:
         runtime.begin_drain()
-        return None
-    raise ConfigError(f"no admin verb named {verb!r}; verbs: {', '.join(RESULT_TYPES)}")
 
 
-def decode_result(verb: str, data: bytes) -> Any:
-    kind = RESULT_TYPES.get(verb)
-    return None if kind is None else msgspec.msgpack.decode(data, type=kind)
+class PutVersion(Verb[tuple[str, ModelInfo]]):
+    name: str
+    version: str
+    section: dict[str, Any]
+    source: str
+
+    async def apply(self, runtime: Runtime) -> tuple[str, ModelInfo]:
+        return await runtime.put_version(self.name, self.version, self.section, self.source)
+
+
+class DeleteVersion(Verb[None]):
+    name: str
+    version: str
+
+    async def apply(self, runtime: Runtime) -> None:
+        await runtime.delete_version(self.name, self.version)
+
+
+class SetTraffic(Verb[VersionRoute]):
+    name: str
+    change: TrafficChange
+
+    async def apply(self, runtime: Runtime) -> VersionRoute:
+        return await runtime.set_traffic(self.name, self.change)
+
+
+#: Every admin verb: what `Call.verb` decodes as. A tag not here is refused at decode.
+AdminVerb = (LoadModel | UnloadModel | ReleaseModel | PutModel | DeleteModel | Reload | PutPipeline | DeletePipeline
+             | BeginDrain | PutVersion | DeleteVersion | SetTraffic)
