@@ -37,12 +37,13 @@ PLUGIN_DIRS = ("tests/plugin_dist", "plugins/resnet", "plugins/yolo", "plugins/e
 
 @contextmanager
 def tree_server(tree: Path, workload: Workload, store: Path, scratch: Path,
-                workers: str | None = None) -> Iterator[Server]:
+                workers: str | None = None, fleet: str | None = None) -> Iterator[Server]:
     """The router of checkout `tree` serving `workload` with its default settings, on a fresh port:
-    this tree's virtual environment, `tree`'s router, plugins and test kit first on its PYTHONPATH."""
+    this tree's virtual environment, `tree`'s router, plugins and test kit first on its PYTHONPATH.
+    `fleet`: the text of another fleet file that serves `workload` (default: its one-model fleet)."""
     port = free_port()
-    config = scratch / f"fleet-{workload.name}.yaml"
-    config.write_text(workload.fleet_yaml(store), encoding="utf-8")
+    config = scratch / (f"fleet-{workload.name}.yaml" if fleet is None else f"fleet-{workload.name}-{port}.yaml")
+    config.write_text(workload.fleet_yaml(store) if fleet is None else fleet, encoding="utf-8")
     path = os.pathsep.join(str(tree / d) for d in ("", *PLUGIN_DIRS))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, "MODEL_ROUTER_HOST": "127.0.0.1",
            "MODEL_ROUTER_PORT": str(port), "MODEL_ROUTER_CONFIG": str(config), "MODEL_ROUTER_GRPC_PORT": "0"}

@@ -180,6 +180,35 @@ def _resnet18_surges(resnet18: Mapping[str, Any], deadline: str) -> list[str]:
                      "device busy", "mean batch", "median batch ms"], rows)]
 
 
+def _mirror(results: Mapping[str, Any], deadline: str) -> list[str]:
+    mirror = results.get("mirror", {})
+    runs = mirror.get("runs", [])
+    if not runs:
+        return []
+    rows = []
+    for run in runs:
+        for arm in run["order"]:
+            r = run[arm]
+            copies = "; ".join(f"{model} " + " ".join(f"{o}:{n}" for o, n in sorted(outcomes.items()))
+                               for model, outcomes in r.get("copies", {}).items()) or "–"
+            rows.append([_num(run["round"]), arm, _num(r["offered_rps"]), _num(r["goodput_rps"]),
+                         f"{_num(r['capacity_rps'])} / {_num(r.get('capacity_after_rps'))}", _num(r["ratio"]),
+                         _statuses(r), _num(r["device"].get("busy_share")), _num(r["device"].get("mean_batch")), copies,
+                         _num(run["ratio"]) if arm == run["order"][-1] else ""])
+    spread = mirror["summary"].get("ratio") or {}
+    return ["## A mirror under a surge", "",
+            (f"ResNet18 with two versions (the second a differently seeded ResNet-18), all traffic to version 1, with a"
+             f" 100% mirror to version 2 and without (`benchmarks/mirror.py`): {len(runs)} rounds, the arms alternating,"
+             f" each on a fresh server, 5× its capacity for {_num(mirror.get('open_s'))} s with a {deadline} deadline;"
+             " capacity closed loop at concurrency 16 just before and just after on the same server. Copies: the"
+             " mirror's, by outcome, from `model_router_mirror_requests_total` over the surge."), "",
+            *_table(["round", "mirror", "offered req/s", f"within {deadline}, req/s", "capacity before / after, req/s",
+                     "÷ capacity", "statuses", "device busy", "mean batch", "copies", "with ÷ without"], rows),
+            (f"With ÷ without, median of {len(runs)}: **{_num(spread.get('median'))}** ({_num(spread.get('min'))}–"
+             f"{_num(spread.get('max'))}); the target is at least {_num(mirror.get('target'))} at the median and in"
+             " each round."), ""]
+
+
 def _preprocess(photo: Mapping[str, Any]) -> list[str]:
     costs = photo.get("preprocess", {})
     if not costs:
@@ -340,7 +369,7 @@ def render(results: Mapping[str, Any]) -> str:
     photo = results.get("workloads", {}).get("photo", {})
     resnet18 = results.get("workloads", {}).get("resnet18", {})
     parts = [HEADER.split("\n")[:-1], _machine(results), _targets(results), _throughput(results, deadline),
-             _resnet18_surges(resnet18, deadline), _surges(photo, deadline), _preprocess(photo), _four_models(photo), _residency(results), _cluster(results),
+             _resnet18_surges(resnet18, deadline), _mirror(results, deadline), _surges(photo, deadline), _preprocess(photo), _four_models(photo), _residency(results), _cluster(results),
              _split(results), _page(results), _tracing(results)]
     return "\n".join(line for part in parts for line in part).rstrip("\n") + "\n"
 

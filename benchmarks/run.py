@@ -5,8 +5,8 @@ For each workload the direct loop (the limit) runs first, in its own process. Th
 driven by `benchmarks.loadgen` in another: closed loop at saturation, and for ResNet18 an
 open-loop sweep of 0.5x to 5x the router's measured capacity, each overload point on a fresh
 server so one point's backlog cannot spill into the next, and the 5x point again in three rounds
-(`benchmarks.surge`). Peak RSS is sampled from the harness
-over the server's whole process tree. Results: benchmarks/results/latest.json, a printed
+(`benchmarks.surge`), and with a 100% mirror to a second version and without (`benchmarks.mirror`).
+Peak RSS is sampled from the harness over the server's whole process tree. Results: benchmarks/results/latest.json, a printed
 table, benchmarks/results/latest.png and, from the same results, docs/performance.md.
 
     python -m benchmarks.run [--quick] [--out benchmarks/results]
@@ -321,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: all")
     parser.add_argument("--skip-page", action="store_true", help="skip throughput with the live page open")
     parser.add_argument("--skip-tracing", action="store_true", help="skip the cost of tracing (benchmarks/tracing.py)")
+    parser.add_argument("--skip-mirror", action="store_true",
+                        help="skip the ResNet18 surge with a 100%% mirror and without (benchmarks/mirror.py)")
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
     scratch = args.out / "scratch"  # fleet files, request bodies and server logs of this run only
@@ -349,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
         results["tracing_overhead"] = tracing_overhead(scratch / "tracing", plan.closed_s, 2 if args.quick else 4,
                                                        plan.warm_s)
         print(f"[tracing] {json.dumps(results['tracing_overhead'])[:600]}", flush=True)
+    if not args.skip_mirror:
+        from benchmarks.mirror import mirror_rounds  # it uses this module's load generator
+
+        results["mirror"] = mirror_rounds(args.store.resolve(), scratch, plan, rounds=1 if args.quick else 3)
+        print(f"[mirror] {json.dumps(results['mirror']['summary'])}", flush=True)
     results["targets"] = evaluate(results)
     results["load_average_end"] = [round(x, 2) for x in psutil.getloadavg()]  # other work on the machine shows here
     results["wall_s"] = round(time.monotonic() - started, 1)

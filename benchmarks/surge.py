@@ -25,14 +25,15 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from benchmarks.before_after import tree_server
 from benchmarks.run import DEADLINE_S, Plan, closed, loadgen
-from benchmarks.systems import request_target
-from benchmarks.workloads import REPO, WORKLOADS
+from benchmarks.systems import Server, request_target
+from benchmarks.workloads import REPO, WORKLOADS, Workload
 
 __all__ = ["device_during", "surge_round", "surge_rounds"]
 
@@ -50,24 +51,35 @@ def capacity(tree: Path, store: Path, scratch: Path, plan: Plan) -> float:
         return float(closed(server, target, SATURATION, plan.closed_s)["throughput_rps"])
 
 
-def surge_round(tree: Path, store: Path, scratch: Path, plan: Plan, capacity_rps: float,
-                after: bool = False) -> dict[str, Any]:
+def surge_round(tree: Path, store: Path, scratch: Path, plan: Plan, capacity_rps: float | None,
+                after: bool = False, *, workload: Workload = WORKLOAD, fleet: str | None = None,
+                counters: Callable[[Server], dict[str, float]] | None = None) -> dict[str, Any]:
     """One 5x surge on a fresh server of `tree`; the load generator's report and the device's
-    figures. `after`: the same server's capacity again once the surge is over, closed loop at
-    saturation (on a shared machine the capacity drifts within a minute)."""
-    target = request_target("router", WORKLOAD, scratch)
-    rate = MULTIPLE * capacity_rps
-    with tree_server(tree, WORKLOAD, store, scratch) as server:
+    figures. `capacity_rps` None: measured on the same server, closed loop at saturation after its
+    warm-up, just before the surge. `after`: the same server's capacity again once the surge is
+    over (on a shared machine the capacity drifts within a minute). `fleet`: another fleet file
+    serving `workload` (`tree_server`'s). `counters`: figures read from the server just before
+    the surge and just after it; what each grew by is reported under `counters`."""
+    target = request_target("router", workload, scratch)
+    with tree_server(tree, workload, store, scratch, fleet=fleet) as server:
         closed(server, target, WARM_CONCURRENCY, plan.warm_s)
+        if capacity_rps is None:
+            capacity_rps = float(closed(server, target, SATURATION, plan.closed_s)["throughput_rps"])
+        rate = MULTIPLE * capacity_rps
+        read_before = counters(server) if counters is not None else {}
         began = time.time()
         report = loadgen(server, target, "--rate", f"{rate:.2f}", "--duration", str(plan.open_s), "--timeout", "3",
                          "--header", f"X-Timeout-Ms:{int(DEADLINE_S * 1000)}")
         ended = time.time()
+        grown = None if counters is None else {key: round(value - read_before.get(key, 0.0), 3)
+                                               for key, value in counters(server).items()}
         later = closed(server, target, SATURATION, plan.closed_s)["throughput_rps"] if after else None
         log_path = server.log_path
     out = {"capacity_rps": capacity_rps, "offered_rps": round(rate, 2), "goodput_rps": report["goodput_rps"],
            "ratio": round(report["goodput_rps"] / capacity_rps, 3), "statuses": report["statuses"],
            "ok_ms": report["ok_ms"], "device": device_during(log_path.read_text(errors="replace"), began, ended)}
+    if grown is not None:
+        out["counters"] = grown
     if later is not None:  # the surge bracketed: capacity before it and after it, their mean the round's
         out |= {"capacity_after_rps": later, "capacity_mean_rps": round((capacity_rps + later) / 2, 2),
                 "ratio": round(report["goodput_rps"] / ((capacity_rps + later) / 2), 3),

@@ -111,3 +111,34 @@ def test_the_split_host_scenario_measures_roles_projects_and_renders(tmp_path: P
     results["targets"] = evaluate(results)
     assert [t["met"] for t in results["targets"]] == [True, False, True]
     assert "fast c=256 (median of 1)" in render(results)
+
+
+def test_the_mirror_rounds_read_the_copies_and_render(tmp_path: Path) -> None:
+    """Both arms of one round at a tiny scale, on the test kit's scripted model (a batch of n costs
+    40 + 2n ms): the result's shape, the mirror's copies read from /metrics, the target and the page."""
+    from benchmarks.mirror import mirror_rounds
+    from benchmarks.performance_doc import render as render_page
+    from benchmarks.run import Plan
+    from benchmarks.workloads import Workload
+
+    workload = Workload("shadowed", "scripted", {"fixed_ms": 40, "per_item_ms": 2}, max_batch=4, max_delay_ms=5,
+                        content_type="application/json", body=b'{"id": "bench"}')
+    plan = Plan(limit_s=0.5, warm_s=0.3, closed_s=1.0, open_s=1.0)
+    result = mirror_rounds(tmp_path, tmp_path, plan, rounds=1, workload=workload, second="{}")
+    (run,) = result["runs"]
+    assert run["order"] == ["without", "with"] and run["ratio"] is not None and run["goodput_ratio"] is not None
+    for arm in ("without", "with"):
+        assert run[arm]["goodput_rps"] > 0 and run[arm]["capacity_after_rps"] > 0
+        assert run[arm]["answers_by_version"]["shadowed@1"]["ok"] == run[arm]["statuses"]["200"]
+        assert "shadowed@2" not in run[arm]["answers_by_version"]  # all of the traffic goes to version 1
+    assert run["without"]["copies"] == {}
+    copies = run["with"]["copies"]["shadowed@2"]
+    assert copies["shed"] + copies["admitted"] > 0 and set(copies) <= {"admitted", "served", "shed", "failed", "expired"}
+    assert set(result["summary"]) >= {"ratio", "goodput_ratio", "with_ratio", "without_ratio", "copies_during_surges",
+                                      "met"}
+    results = {"deadline_s": 1.0, "workloads": {}, "mirror": result}
+    results["targets"] = evaluate(results)
+    assert [t["name"] for t in results["targets"]] == [
+        "shadowed at 5x open loop: goodput / capacity with a 100% mirror / without (median of 1)"]
+    assert "surge with mirror #1" in render(results)
+    assert "## A mirror under a surge" in render_page(results)
