@@ -20,8 +20,21 @@ from pydantic_core import InitErrorDetails
 
 from router.rollout_config import RolloutConfig
 
-__all__ = ["ROUTE_KEYS", "SEPARATOR", "VERSION_NAME_PATTERN", "Expansion", "MirrorConfig", "RouteConfig", "RouteProblems",
-           "changed_route", "expand_versions", "removal_problem", "route_problems", "version_name_problem"]
+__all__ = [
+    "ROUTE_KEYS",
+    "SEPARATOR",
+    "VERSION_NAME_PATTERN",
+    "Expansion",
+    "MirrorConfig",
+    "RouteConfig",
+    "RouteProblems",
+    "changed_route",
+    "expand_versions",
+    "merge_section",
+    "removal_problem",
+    "route_problems",
+    "version_name_problem",
+]
 
 #: A version's name, whole (`resnet18@2`'s `2`).
 VERSION_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}"
@@ -198,12 +211,12 @@ def _value_error(loc: tuple[str | int, ...], message: str, got: Any) -> InitErro
     return {"type": "value_error", "loc": loc, "input": got, "ctx": {"error": ValueError(message)}}
 
 
-def _merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+def merge_section(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     """`over` merged over `base`: mappings key by key, anything else replaced."""
     merged = dict(base)
     for key, value in over.items():
         if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = _merge(merged[key], value)
+            merged[key] = merge_section(merged[key], value)
         else:
             merged[key] = value
     return merged
@@ -258,7 +271,7 @@ def _expand_one(name: str, section: dict[str, Any], expanded: dict[Any, Any], ex
                                                  "keys to change, like {options: {weights: b.pt}} or {}", own))
             continue
         deployment = f"{name}{SEPARATOR}{version}"
-        expanded[deployment] = _merge(base, own or {})
+        expanded[deployment] = merge_section(base, own or {})
         expansion.sections[deployment] = (name, version, own or {})
         names.append(version)
     if len(names) != len(versions):

@@ -8,8 +8,9 @@ routed name (a model with `versions:`) is routed per request:
 - the version: a pinned one (`X-Model-Version`, V2's `model_version`), else the sticky key's
   (`X-Route-Key`: the same key, the same version while the weights hold), else a weighted draw
   (`router.serving.versions.pick`);
-- a mirrored copy (`mirror:`) goes to the mirror version as a shadow item, admitted only into
-  spare device capacity; its answer is compared with the user's and dropped, and its failures
+- a mirrored copy (`mirror:`) goes to the mirror version as a shadow item once the user's answer
+  is ready, admitted only into spare device capacity (none is sent for a second after one of the
+  name's requests was refused for capacity or expired); its answer is compared with the user's and dropped, and its failures
   are nobody's (`router.routing.mirror`); a request routed to a version other than the stable one
   has a shadow copy on the stable one, so a split's answers are compared too;
 - a version other than the stable one that fails an item (a 5xx, its own timeout) has the item
@@ -26,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
-from router.errors import ModelNotFound, RouterError, ShuttingDown, brief
+from router.errors import DeadlineExceeded, ModelNotFound, Overloaded, RouterError, ShuttingDown, brief
 from router.routing.mirror import Mirrors
 from router.routing.tally import Tallies
 from router.sdk.plugin import Payload
@@ -36,11 +37,16 @@ from router.serving.runtime import Answer
 from router.serving.versions import VersionRoute, mirrors, pick, split_name
 from router.tracing.api import Phases
 
-__all__ = ["FALLBACK_MIN_S", "VersionRouter", "is_version_fault"]
+__all__ = ["COPY_TIMEOUT_MS", "FALLBACK_MIN_S", "PRESSURE_S", "VersionRouter", "is_version_fault"]
 
 #: A failed candidate's item is run again on the stable version only if at least this much of its
 #: deadline is left (less would only turn its failure into a 504).
 FALLBACK_MIN_S = 0.005
+#: After a request for a routed name is refused for want of capacity (503) or expires (504), no
+#: shadow copy of its requests is sent for this long: a surge leaves no spare capacity to copy into.
+PRESSURE_S = 1.0
+#: A shadow copy waits at most this long for spare capacity; a copy that cannot run soon is stale.
+COPY_TIMEOUT_MS = 1000.0
 
 
 def is_version_fault(error: BaseException) -> bool:
@@ -59,6 +65,7 @@ class VersionRouter:
         self.draw = draw
         self.tallies = Tallies(facade.report_versions, clock)
         self.mirrors = Mirrors(facade, self.tallies, clock)
+        self._pressed_until: dict[str, float] = {}  # routed name -> no copies before this time
 
     # -- what a name names ------------------------------------------------------------------------
 
@@ -102,8 +109,14 @@ class VersionRouter:
                version: str | None = None, route_key: str | None = None) -> Screened:
         """The serving core's screen of the version this request is routed to: its `Screened`
         names that version's deployment, so the commit goes where the screen looked."""
-        return self.facade.screen(self.choose(name, version=version, route_key=route_key), priority=priority,
-                                  timeout_ms=timeout_ms, received_at=received_at, items=items, body_bytes=body_bytes)
+        deployment = self.choose(name, version=version, route_key=route_key)
+        try:
+            return self.facade.screen(deployment, priority=priority, timeout_ms=timeout_ms, received_at=received_at,
+                                      items=items, body_bytes=body_bytes)
+        except (Overloaded, DeadlineExceeded):
+            if deployment != name:
+                self._pressed_until[name] = self.clock() + PRESSURE_S
+            raise
 
     async def submit(self, name: str, payload: Payload, *, priority: int | None = None,
                      timeout_ms: float | None = None, request_id: str | None = None,
@@ -130,6 +143,8 @@ class VersionRouter:
             answer = await work
         except BaseException as exc:
             self.tallies.failed(route.name, chosen, exc, self.clock() - started)
+            if isinstance(exc, Overloaded | DeadlineExceeded):
+                self._pressed_until[route.name] = self.clock() + PRESSURE_S
             if chosen == route.stable or version or not is_version_fault(exc):
                 raise
             return await self._fallback(route, payload, exc, priority, timeout_ms, request_id, started, trace,
@@ -137,9 +152,10 @@ class VersionRouter:
         self.tallies.served(route.name, chosen, self.clock() - started)
         # The copy goes once the user's item is answered: it never waits beside it, and it finds the
         # device idle when the traffic leaves room (the core admits it only then).
-        copy = None if version else self._copy_to(route, chosen)
+        copy = None if version or self.clock() < self._pressed_until.get(route.name, 0.0) else self._copy_to(route, chosen)
         if copy is not None:
-            self.mirrors.compare(route, chosen, answer, self.mirrors.start(route, copy, payload, priority, timeout_ms))
+            copy_ms = min(timeout_ms, COPY_TIMEOUT_MS) if timeout_ms is not None else COPY_TIMEOUT_MS
+            self.mirrors.compare(route, chosen, answer, self.mirrors.start(route, copy, payload, priority, copy_ms))
         return answer
 
     def _copy_to(self, route: VersionRoute, chosen: str) -> str | None:

@@ -32,6 +32,9 @@ from router.tracing.api import BatchSpan, Tracing
 
 __all__ = ["DeviceScheduler", "Model", "NoRoomYet", "ResidencyActions", "Runner"]
 
+#: The most mirrored copies in one batch: one, so that a shadow batch is never long to wait behind.
+SHADOW_BATCH = 1
+
 log = logging.getLogger("router.scheduling.scheduler")
 IDLE_REFRESH_S = 1.0
 
@@ -262,11 +265,13 @@ class DeviceScheduler:
         for model, runner in self._members:
             if not runner.schedulable:
                 continue
-            due = model.queue.due_at(model.batch_policy, runner.max_batch, shadow=shadow)
+            # A copy runs alone: a real request arriving meanwhile waits for one item's run at most.
+            max_batch = SHADOW_BATCH if shadow else runner.max_batch
+            due = model.queue.due_at(model.batch_policy, max_batch, shadow=shadow)
             if due is None:
                 continue
             if due <= now:
-                candidates.append(self._candidate(model, runner.key, runner.estimate, runner.max_batch, shadow))
+                candidates.append(self._candidate(model, runner.key, runner.estimate, max_batch, shadow))
             elif next_due is None or due < next_due:
                 next_due = due
         if not candidates:

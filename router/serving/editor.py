@@ -55,7 +55,7 @@ from router.serving.registry import PluginRegistry
 from router.serving.residency_executor import ResidencyExecutor, UnloadReport
 from router.serving.traffic import TrafficChange
 from router.serving.versions import VersionRoute, deployment_name, split_name
-from router.version_config import ROUTE_KEYS, RouteProblems, changed_route, removal_problem, version_name_problem
+from router.version_config import ROUTE_KEYS, RouteProblems, changed_route, merge_section, removal_problem, version_name_problem
 
 __all__ = ["FleetEditor", "ReloadReport"]
 
@@ -271,9 +271,9 @@ class FleetEditor:
     # -- versions -------------------------------------------------------------------------------
 
     async def put_version(self, name: str, version: str, section: Mapping[str, Any], source: str) -> str:
-        """Add or change one version of a model with versions, from the version's whole section (a
-        model's section). A new version takes no traffic until the split gives it some. Returns
-        added, changed or unchanged."""
+        """Add or change one version of a model with versions from its section, merged over the
+        stable version's (as a version's section in the fleet file is over the model's keys). A new
+        version takes no traffic until the split gives it some. Returns added, changed or unchanged."""
         async with self._lock:
             return await self._put_version(name, version, section, source)
 
@@ -317,6 +317,9 @@ class FleetEditor:
         if (problem := version_name_problem(version)) is not None:
             raise ConfigError(f"{source}: {problem}")
         model = deployment_name(name, version)
+        # As in the fleet file, the section says what differs: merged over the stable version's.
+        stable = self.plan.fleet.models[deployment_name(name, config.stable)].model_dump(mode="json", exclude_unset=True)
+        section = merge_section(stable, section)
         try:
             ModelConfig.model_validate(dict(section))
         except ValidationError as exc:

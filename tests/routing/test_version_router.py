@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
-from router.errors import ModelError, ModelNotFound
+from router.errors import ModelError, ModelNotFound, QueueFull
 from router.pipelines import PipelineRunner
 from router.routing import VersionRouter
+from router.routing.versions import PRESSURE_S
 from router.sdk.plugin import Payload
 from router.serving.plan import load_plan
 from router.serving.runtime import Runtime
@@ -187,3 +188,24 @@ async def test_an_operator_s_split_stops_a_rollout(tmp_path: Path) -> None:
         assert route.weights == {"1": 100.0, "2": 0.0}
         ended = runtime.rollout("m")
         assert ended is not None and ended["reason"] == "stopped: an operator changed the split"
+
+
+async def test_no_copy_is_sent_for_a_while_after_one_of_the_name_s_requests_is_refused(tmp_path: Path) -> None:
+    text = ("models:\n  m:\n    plugin: scripted\n    batch: {max_size: 1}\n    versions:\n"
+            "      '1': {options: {label: a, fixed_ms: 300}, queue: {max_size: 1}}\n      '2': {options: {label: a}}\n"
+            "    mirror: {version: '2', percent: 100}\n")
+    async with serving(tmp_path, text) as (runtime, _):
+        ahead = [0.0]  # the router's clock, moved on past the pressure without waiting for it
+        versions = VersionRouter(runtime, clock=lambda: runtime.clock() + ahead[0])
+        first = asyncio.ensure_future(versions.submit("m", ask("r1")))
+        await until(lambda: any(i.busy for i in runtime.model("m@1").instances))
+        second = asyncio.ensure_future(versions.submit("m", ask("r2")))
+        await until(lambda: runtime.model("m@1").queue_depth == 1)
+        with pytest.raises(QueueFull):
+            await versions.submit("m", ask("r3"))  # a surge: the name has no room
+        await asyncio.gather(first, second)
+        assert versions.mirrors.open == 0 and versions.describe("m")["figures"]["agreement"] == {}  # no copy
+        ahead[0] += PRESSURE_S
+        await versions.submit("m", ask("r4"))
+        await until(lambda: versions.mirrors.open == 0)
+        assert versions.describe("m")["figures"]["agreement"] == {"2 vs 1": {"compared": 1, "mean": 1.0}}
