@@ -209,3 +209,14 @@ async def test_no_copy_is_sent_for_a_while_after_one_of_the_name_s_requests_is_r
         await versions.submit("m", ask("r4"))
         await until(lambda: versions.mirrors.open == 0)
         assert versions.describe("m")["figures"]["agreement"] == {"2 vs 1": {"compared": 1, "mean": 1.0}}
+
+
+async def test_a_pipeline_step_naming_a_model_with_versions_is_routed(tmp_path: Path) -> None:
+    text = fleet("{label: a}", "{label: b}", "    traffic: {'1': 0, '2': 100}\n") + \
+        "pipelines:\n  p:\n    steps: [{model: m}]\n"
+    async with serving(tmp_path, text) as (runtime, versions):
+        runner = PipelineRunner(runtime, versions=versions)
+        assert runner.info("p").state == "ready"
+        answer = await runner.run("p", ask("through-p"))
+        assert answer.output == {"id": "through-p", "batch": answer.output["batch"], "label": "b"}  # version 2's
+        assert versions.describe("m")["figures"]["outcomes"] == {"2": {"ok": 1}}
