@@ -86,7 +86,7 @@ class RouterMetrics:
             ["model"], registry=registry,
         )
         self.mirror_requests = Counter(
-            "model_router_mirror_requests", "Mirrored (shadow) copies by model and outcome (admitted, served, shed, "
+            "model_router_mirror_requests", "Mirrored (shadow) copies by model and outcome (served, shed, "
             "failed, expired); never counted in model_router_requests_total.", ["model", "outcome"], registry=registry,
         )
         self.engine_messages = Counter(

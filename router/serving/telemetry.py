@@ -16,7 +16,7 @@ __all__ = ["MIRROR_OUTCOMES", "Telemetry", "TelemetryFanout", "mirror_outcome", 
 
 #: The outcomes of a mirrored copy: taken into spare capacity, answered, refused or crowded out
 #: for lack of spare capacity, failed in its model, or past its deadline.
-MIRROR_OUTCOMES = ("admitted", "served", "shed", "failed", "expired")
+MIRROR_OUTCOMES = ("served", "shed", "failed", "expired")
 
 
 @contextmanager
