@@ -145,6 +145,10 @@ def lone_surrogate(text: bytes) -> str | None:
     return None
 
 
+def _too_deep(where: str, max_depth: int) -> InputError:
+    return InputError(f"{where} nests arrays and objects more than {max_depth} levels deep")
+
+
 def loads_bounded(text: bytes | str, where: str = "the input", *, expected: str = "JSON",
                   max_depth: int = MAX_JSON_DEPTH, max_bytes: int | None = None) -> Any:
     """Parse JSON text, refusing text that is over `max_bytes` (413), is not JSON, nests more than
@@ -153,10 +157,9 @@ def loads_bounded(text: bytes | str, where: str = "the input", *, expected: str 
     data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
     if max_bytes is not None and len(data) > max_bytes:
         raise PayloadTooLarge(f"{where} is {len(data)} bytes of JSON; at most {max_bytes} are accepted")
-    too_deep = InputError(f"{where} nests arrays and objects more than {max_depth} levels deep")
     deep, cost = measure_json(data, max_depth)
     if deep:
-        raise too_deep
+        raise _too_deep(where, max_depth)
     if cost > allowed_bytes(len(data)):
         raise PayloadTooLarge(f"{where} would take about {cost // 2**20} MB once parsed ({len(data)} bytes of "
                               f"text); send tensor data as flat lists, or in binary (binary_data_size)")
@@ -165,6 +168,6 @@ def loads_bounded(text: bytes | str, where: str = "the input", *, expected: str 
     try:
         return json.loads(data)
     except RecursionError:
-        raise too_deep from None
+        raise _too_deep(where, max_depth) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise InputError(f"{where} must be {expected}: {exc}") from None
