@@ -262,8 +262,11 @@ def request_id_middleware(app: ASGIApp, *, body_timeout_s: float, memory: BodyMe
         if scope["type"] != ScopeType.HTTP:
             await app(scope, receive, send)
             return
-        incoming = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        request_id = incoming_or_new(incoming)
+        incoming = b""
+        for name, value in scope["headers"]:  # the last one, as a dict of them would keep
+            if name == b"x-request-id":
+                incoming = value
+        request_id = incoming_or_new(incoming.decode("latin-1"))
         token = request_id_var.set(request_id)
         mark_received(scope)
         trace = _start_trace(tracing, scope) if tracing is not None else None

@@ -251,10 +251,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        self._header_bytes = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        head, hosts = len(self.url), 0
+        for name, value in self.headers:  # one pass for both counts
+            head += len(name) + len(value) + 4
+            hosts += name == b"host"
+        self._header_bytes = head
         if self._header_bytes > self.limits.max_header_bytes:
             self._fail(_Refused(431, f"the request line and headers exceed {self.limits.max_header_bytes} bytes"))
-        if self.parser.get_http_version() == "1.1" and sum(name == b"host" for name, _ in self.headers) != 1:
+        if self.parser.get_http_version() == "1.1" and hosts != 1:
             self._fail(_Refused(400, "an HTTP/1.1 request needs exactly one Host header (RFC 9112, section 3.2)"))
         busy = self._overloaded()
         if busy and self.cycle is not None and not self._done(self.cycle):  # pipelined behind an answer still due
