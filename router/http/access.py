@@ -4,11 +4,7 @@ when it refused a request from its headers (`router.http.early`)."""
 from __future__ import annotations
 
 import logging
-import os
 import re
-import sys
-import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,33 +31,4 @@ def access_line(method: str | None, path: str, status: int, seconds: float,
     if request_id is not None:
         line["request_id"] = request_id
     if log.isEnabledFor(logging.INFO):  # the record made directly: no search of the stack for the caller
-        log.handle(_record(line))
-
-
-#: A finished access record's attributes by (thread, process), with the names `extra` may not use.
-_templates: dict[tuple[int, int], tuple[dict[str, Any], frozenset[str]]] = {}
-
-
-def _record(line: dict[str, Any]) -> logging.LogRecord:
-    """The access record `makeRecord` would make, from a template: `LogRecord.__init__` looks up the
-    thread, the process and the file's name again for every request, and they do not change.
-    (Python 3.11's record; from 3.12 a record also names its asyncio task, so each is made whole.)"""
-    key = (threading.get_ident(), os.getpid())
-    found = _templates.get(key)
-    plain = logging.getLogRecordFactory() is logging.LogRecord and sys.version_info < (3, 12)
-    if found is None or not plain or not found[1].isdisjoint(line):
-        record = log.makeRecord(log.name, logging.INFO, __file__, 0, "request", (), None, extra=line)
-        if found is None and plain:
-            template = {k: v for k, v in record.__dict__.items() if k not in line}
-            _templates[key] = (template, frozenset(template) | {"message", "asctime"})
-        return record
-    template = found[0]
-    record = logging.LogRecord.__new__(logging.LogRecord)
-    fields = record.__dict__
-    fields.update(template)
-    created = time.time()
-    fields["created"] = created
-    fields["msecs"] = int((created - int(created)) * 1000) + 0.0
-    fields["relativeCreated"] = template["relativeCreated"] + (created - template["created"]) * 1000
-    fields.update(line)
-    return record
+        log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, "request", (), None, extra=line))
