@@ -7,8 +7,9 @@ once it has lasted `step_min_s` and has `min_samples` candidate answers (the fin
 rolls back, advances or, after the last step, promotes). At each look three one-sided tests
 each get alpha / (3 K L), alpha being `false_alarm_rate` (Bonferroni; looks merged into one,
 when the caller asks late, add their shares). Errors: Fisher's exact test, the candidate's
-failures in this step against the stable version's in its reference (its last 20,000 answers,
-kept across steps): given F failures among N answers, the candidate's count is hypergeometric
+failures in this step against the stable version's in the same step (its contemporaries: load
+drifts), or, when the step gave the stable fewer than `min_samples` answers (the last step, at
+100%), its most recent 20,000: given F failures among N answers, the candidate's count is hypergeometric
 under equal failure rates, and the rule rolls back when P(X >= f_c) <= the look's share.
 Latency: the same exact test on answers slower than the pooled answers' 99th percentile (a
 permutation test: under equal latency laws the labels of the slow answers are exchangeable).
@@ -161,6 +162,7 @@ class Rollout:
         self._status: Status = "running"
         self._step = 0
         self._reference = _Answers(keep=REFERENCE_ANSWERS)
+        self._step_reference = _Answers()  # the stable's answers in this step: the candidate's contemporaries
         self._candidate = _Answers()
         self._agreement_sum, self._agreements = 0.0, 0
         self._step_started = clock()
@@ -218,20 +220,26 @@ class Rollout:
 
     def observe(self, version: str, ok: bool, latency_s: float) -> None:
         """One answered user request of the stable or the candidate version (others are ignored)."""
-        answers = self._answers_of(version)
-        if answers is not None:
+        for answers in self._answers_of(version):
             answers.add(ok, latency_s)
 
     def observe_many(self, version: str, ok: Sequence[bool] | np.ndarray, latency_s: Sequence[float] | np.ndarray) -> None:
         """Many answered requests of one version at once, in order."""
-        answers = self._answers_of(version)
-        if answers is not None:
+        for answers in self._answers_of(version):
             answers.add_many(np.asarray(ok, dtype=bool), np.asarray(latency_s, dtype=np.float64))
 
-    def _answers_of(self, version: str) -> _Answers | None:
+    def _answers_of(self, version: str) -> tuple[_Answers, ...]:
         if self._status != "running":
-            return None
-        return self._candidate if version == self.config.candidate else self._reference if version == self.stable else None
+            return ()
+        if version == self.config.candidate:
+            return (self._candidate,)
+        return (self._reference, self._step_reference) if version == self.stable else ()
+
+    def _compared_with(self) -> _Answers:
+        """The stable's answers the candidate's are compared with: those of the same step when it has
+        as many as a step needs (load drifts: answers from another time would differ for that alone),
+        else its most recent (a step that gives the stable few, as the last one at 100%)."""
+        return self._step_reference if len(self._step_reference) >= self.config.min_samples else self._reference
 
     def observe_agreement(self, value: float) -> None:
         """One comparison of the candidate's answer with the stable's on the same input, 0.0 to 1.0."""
@@ -267,7 +275,8 @@ class Rollout:
     def _tests(self, alpha: float) -> tuple[str | None, dict[str, Any]]:
         """The three tests at one look, each at `alpha`: the first that rejects, and every figure."""
         n_c, f_c = len(self._candidate), self._candidate.failures()
-        n_s, f_s = len(self._reference), self._reference.failures()
+        reference = self._compared_with()
+        n_s, f_s = len(reference), reference.failures()
         p_errors = hypergeom_tail(f_c, n_c + n_s, f_c + f_s, n_c)
         figures: dict[str, Any] = {
             "step": self._step, "alpha": alpha, "candidate_answers": n_c, "candidate_failures": f_c,
@@ -295,7 +304,7 @@ class Rollout:
 
     def _latency_test(self) -> dict[str, Any]:
         """Answers slower than the pooled 99th percentile: the candidate's count against the stable's."""
-        candidate, reference = self._candidate.served_latencies(), self._reference.served_latencies()
+        candidate, reference = self._candidate.served_latencies(), self._compared_with().served_latencies()
         if not len(candidate) or not len(reference):
             return {"p_latency": 1.0, "candidate_served": len(candidate), "reference_served": len(reference)}
         pooled = np.concatenate([candidate, reference])
@@ -310,6 +319,7 @@ class Rollout:
         passed = self._step
         self._step += 1
         self._candidate.clear()
+        self._step_reference.clear()
         self._agreement_sum, self._agreements = 0.0, 0
         self._step_started = self._clock()
         self._early_done = 0

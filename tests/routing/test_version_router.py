@@ -163,7 +163,10 @@ async def test_a_candidate_failing_a_fifth_of_its_items_is_rolled_back_and_users
 
 
 async def test_an_identical_candidate_is_promoted_through_every_step(tmp_path: Path) -> None:
-    async with serving(tmp_path, rollout("{label: a}", "steps: [10, 50, 100], min_samples: 30")) as (runtime, versions):
+    # The rule's own false-alarm rate is measured by simulation (tests/versions); here a tiny one, so
+    # that a busy machine's latency noise cannot roll this identical candidate back by chance.
+    settings = "steps: [10, 50, 100], min_samples: 30, false_alarm_rate: 0.000001"
+    async with serving(tmp_path, rollout("{label: a}", settings)) as (runtime, versions):
         weights: list[float] = []
         route = runtime.routes()["m"]
 
@@ -175,6 +178,7 @@ async def test_an_identical_candidate_is_promoted_through_every_step(tmp_path: P
             return (runtime.rollout("m") or {}).get("status") == "promoted"
 
         await send(versions, runtime, done)
+        assert (runtime.rollout("m") or {}).get("status") == "promoted", runtime.rollout("m")
         await until(lambda: runtime.routes()["m"].stable == "2")
         ended = runtime.rollout("m")
         assert ended is not None and ended["decisions"] == {"step": 2, "promote": 1}, ended
