@@ -228,9 +228,12 @@ async def test_memory_comes_back_over_20_load_and_unload_cycles_of_a_torch_model
             _, reports = await runtime.unload_model("r")
             after_unload.append(process.memory_info().rss)
             await runtime.load_model("r")
-    growth = after_unload[-1] - after_unload[0]
-    print(f"\nRSS after the unloads of cycles 1, 10, 20: {[r >> 20 for r in after_unload[::9]]} MB; growth {growth >> 20} MB")
-    assert growth < 40 * 2**20, f"RSS grew {growth >> 20} MB over 20 cycles"
+    # The last five cycles' lowest against the first five's highest: a leak of a few MB a cycle
+    # still shows (about 10 cycles' worth of it), a passing allocation of the rest of the test
+    # process (a thread of an earlier test, a cache filled once) does not.
+    growth = min(after_unload[-5:]) - max(after_unload[:5])
+    print(f"\nRSS after each unload: {[r >> 20 for r in after_unload]} MB; growth {growth >> 20} MB")
+    assert growth < 40 * 2**20, f"RSS grew {growth >> 20} MB over 20 cycles: {[r >> 20 for r in after_unload]} MB"
     # Part of it comes back at each unload (the rest stays in torch's and glibc's caches, reused
     # by the next load: hence no growth); with isolation: process all of it does (next test).
     assert reports[0].returned_bytes is not None and reports[0].returned_bytes > 0
