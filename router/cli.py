@@ -81,7 +81,7 @@ def serve_one_process(args: argparse.Namespace) -> int:
     from router.inference_protocol.shared_memory import SharedMemoryRegistry
     from router.logs import configure_logging
     from router.pipelines import PipelineRunner
-    from router.serving.runtime import Runtime
+    from router.serving.runtime import in_process
     from router.serving.threads import apply_threads, available_cores, count_threads
     from router.tracing import tracing_from_environment
 
@@ -93,7 +93,7 @@ def serve_one_process(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
     threads = count_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
     apply_threads(threads)
-    runtime = Runtime(plan, cpu_workers=threads.cpu_workers, tracing=tracing)
+    runtime = in_process(plan, cpu_workers=threads.cpu_workers, tracing=tracing)
     shared_memory = SharedMemoryRegistry.from_settings(settings)
     pipelines = PipelineRunner(runtime)  # one runner for every front of this process: HTTP and gRPC
     listeners: list[Listener] = []

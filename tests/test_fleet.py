@@ -15,7 +15,8 @@ import pytest
 
 from router.errors import ModelDoesNotFit, ModelNotFound, ModelUnavailable, RouterError
 from router.sdk import Payload
-from router.serving.runtime import Answer, Runtime
+from router.serving.facade import Answer
+from router.serving.runtime import Runtime
 from router.serving.snapshots import ModelInfo
 from tests.conftest import REPO, read_records
 from tests.test_runtime import ask, make_runtime, until

@@ -55,13 +55,13 @@ def writes(source: str) -> list[tuple[int, str, str]]:
 def test_the_scan_finds_writes_of_every_kind() -> None:
     """The static check can fail: each kind of write it looks for, in a snippet."""
     snippet = (
-        "runtime.deployments['m'] = d\n"
+        "runtime.core.deployments['m'] = d\n"
         "del self._schedulers[device]\n"
         "fleet.deployments.pop('m')\n"
         "state._retired.update(old)\n"
         "deployment.residency.held = True\n"
         "d.residency.restarts += 1\n"
-        "x = runtime.deployments['m']\n"  # a read: not a write
+        "x = runtime.core.deployments['m']\n"  # a read: not a write
         "n = deployment.residency.holders\n"
     )
     assert [(line, kind) for line, _, kind in writes(snippet)] == [

@@ -17,7 +17,7 @@ from router.sdk.plugin import MemoryEstimate, ModelPlugin, Payload
 from router.serving.plan import load_plan
 from router.serving.profiling import profile_cuda, profile_sizes
 from router.serving.registry import PluginRegistry
-from router.serving.runtime import Runtime
+from router.serving.runtime import in_process
 
 pytestmark = pytest.mark.gpu
 
@@ -109,9 +109,9 @@ def test_real_cuda_out_of_memory_is_split_and_retried(tmp_path: Path, record_pro
     )
 
     async def run() -> list[Any]:
-        runtime = Runtime(load_plan(config, registry))
+        runtime = in_process(load_plan(config, registry))
         await runtime.start()
-        await runtime.wait_loaded()
+        await runtime.core.wait_loaded()
         try:
             answers = await asyncio.gather(*(
                 runtime.submit("m", Payload(json.dumps({"id": str(i)}).encode(), "application/json")) for i in range(4)
@@ -152,9 +152,9 @@ def test_residency_on_a_gpu_evicts_by_nvml_and_memory_comes_back(
     body = (Path(__file__).resolve().parents[1] / "examples" / "street.jpg").read_bytes()
 
     async def run() -> tuple[list[Any], list[Any]]:
-        runtime = Runtime(load_plan(config))
+        runtime = in_process(load_plan(config))
         await runtime.start()
-        await runtime.wait_loaded()
+        await runtime.core.wait_loaded()
         try:
             answers = []
             for round_ in range(4):

@@ -11,7 +11,7 @@ import pytest
 
 from router.serving.loading import TIMING_RUNS, warmup_sizes
 from router.serving.plan import load_plan
-from router.serving.runtime import Runtime
+from router.serving.runtime import in_process
 
 # weights 1000 B, 100 B per input: a 1500 B budget leaves 500 B, and with the 20% margin
 # 4 inputs fit (4 x 100 x 1.2 = 480) while 5 do not (600).
@@ -39,10 +39,10 @@ async def load(tmp_path: Path, budget: int, warmup: str = "{enabled: true}") -> 
     record = tmp_path / "batches.jsonl"
     path = tmp_path / "fleet.yaml"
     path.write_text(FLEET.format(record=record, budget=budget, warmup=warmup), encoding="utf-8")
-    runtime = Runtime(load_plan(path))
+    runtime = in_process(load_plan(path))
     await runtime.start()
     try:
-        await runtime.wait_loaded()
+        await runtime.core.wait_loaded()
         return runtime.model("m").as_dict()
     finally:
         await runtime.stop()

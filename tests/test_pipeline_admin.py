@@ -11,7 +11,7 @@ import pytest
 from router.errors import ConfigError, Conflict, ModelNotFound
 from router.pipelines import PipelineRunner
 from router.serving.plan import load_plan
-from router.serving.runtime import Runtime
+from router.serving.runtime import Runtime, in_process
 from tests.test_pipelines import fleet, jpeg
 from tests.test_runtime import running, until
 
@@ -21,7 +21,7 @@ DC = {"steps": [{"model": "boxes"}, {"transform": "crop"}, {"model": "pixels"}]}
 def runtime_for(tmp_path: Path, text: str) -> Runtime:
     path = tmp_path / "fleet.yaml"
     path.write_text(text, encoding="utf-8")
-    return Runtime(load_plan(path))
+    return in_process(load_plan(path))
 
 
 async def test_a_pipeline_is_added_changed_and_removed_at_run_time(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from router.pipelines import MAX_STEP_ITEMS, PipelineRunner
 from router.sdk import NoOptions, Payload, StepItem, Transform, Transformed, decode_image
 from router.sdk.images import example_jpeg
 from router.serving.plan import load_plan
-from router.serving.runtime import Runtime
+from router.serving.runtime import Runtime, in_process
 from router.serving.transforms import TransformRegistry
 from tests.test_runtime import ask, busy, executed, one_at_a_time, running, until
 
@@ -50,7 +50,7 @@ async def serving(tmp_path: Path, text: str, transforms: TransformRegistry | Non
         tuple[Runtime, PipelineRunner]]:
     path = tmp_path / "fleet.yaml"
     path.write_text(text, encoding="utf-8")
-    async with running(Runtime(load_plan(path, transforms=transforms))) as runtime:
+    async with running(in_process(load_plan(path, transforms=transforms))) as runtime:
         yield runtime, PipelineRunner(runtime, transforms=transforms)
 
 
@@ -152,7 +152,7 @@ async def test_wait_for_room_waits_within_the_deadline_and_never_runs_after_it(t
     text = one_at_a_time(300, record).replace("batch: {max_size: 1}}", "batch: {max_size: 1}, queue: {max_size: 1}}")
     path = tmp_path / "fleet.yaml"
     path.write_text(text, encoding="utf-8")
-    async with running(Runtime(load_plan(path))) as runtime:
+    async with running(in_process(load_plan(path))) as runtime:
         running_one = asyncio.create_task(runtime.submit("m", ask("a")))
         await until(lambda: busy(runtime))
         queued = asyncio.create_task(runtime.submit("m", ask("b")))

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from router.errors import DeadlineExceeded, RouterError
 from router.sdk.plugin import Payload
+from router.serving.facade import Answer
 from router.serving.plan import load_plan
-from router.serving.runtime import Answer, Runtime
+from router.serving.runtime import Runtime, in_process
 from tests.conftest import read_records
 from tests.virtual_clock import run_virtual
 
@@ -74,7 +75,7 @@ def ledger(runtime: Runtime) -> dict[str, tuple[int, int]]:
 
 async def scenario(runtime: Runtime, plan: list[Arrival], record: Path) -> tuple[list[object], Counter[str]]:
     await runtime.start()
-    await runtime.wait_loaded()
+    await runtime.core.wait_loaded()
     weights = ledger(runtime)
 
     async def one(index: int, arrival: Arrival) -> object:
@@ -118,7 +119,7 @@ def test_every_request_answered_exactly_once(tmp_path: Path, plan: list[Arrival]
     record = tmp_path / f"batches-{uuid.uuid4().hex}.jsonl"  # hypothesis reuses tmp_path across examples
     config.write_text(FLEET.replace("RECORD", str(record)), encoding="utf-8")
     fleet = load_plan(config)
-    results, runs = run_virtual(lambda loop: scenario(Runtime(fleet, clock=loop.time), plan, record))
+    results, runs = run_virtual(lambda loop: scenario(in_process(fleet, clock=loop.time), plan, record))
 
     assert len(results) == len(plan)
     for index, (arrival, result) in enumerate(zip(plan, results)):

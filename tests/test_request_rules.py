@@ -29,9 +29,9 @@ from router.errors import InputError, ModelNotFound, ModelUnavailable, PayloadTo
 from router.host.client import EngineClient
 from router.host.handover import write_settings
 from router.sdk.plugin import Payload
-from router.serving.facade import ServingFacade
+from router.serving.facade import Serving
 from router.serving.plan import load_plan
-from router.serving.runtime import Runtime
+from router.serving.runtime import Runtime, in_process
 from router.serving.snapshots import ModelInfo
 
 FLEET = """
@@ -74,7 +74,7 @@ class InProcessReplica:
 
 @dataclass(frozen=True)
 class Front:
-    facade: ServingFacade
+    facade: Serving
     core: Callable[[], ModelInfo]  # model m as the serving core behind the front sees it now
 
 
@@ -84,12 +84,13 @@ async def front(kind: str, tmp_path: Path) -> AsyncIterator[Front]:
     path.write_text(FLEET, encoding="utf-8")
     if kind == "split host":
         async with _split_host(path, tmp_path) as client:
-            yield Front(client, lambda: client.model("m"))
+            serving = Serving(client)
+            yield Front(serving, lambda: serving.model("m"))
         return
-    runtime = Runtime(load_plan(path))
+    runtime = in_process(load_plan(path))
     await runtime.start()
-    await runtime.wait_loaded()
-    facade: ServingFacade = runtime if kind == "one process" else ClusterRuntime(load_fleet(path), InProcessReplica(runtime))
+    await runtime.core.wait_loaded()
+    facade: Serving = runtime if kind == "one process" else Serving(ClusterRuntime(load_fleet(path), InProcessReplica(runtime)))
     if facade is not runtime:
         await facade.start()
     try:

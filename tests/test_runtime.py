@@ -23,9 +23,10 @@ from router.errors import (
 )
 from router.scheduling.probes import ProbeError, make_probe
 from router.sdk.plugin import MemoryEstimate, ModelPlugin, Payload
+from router.serving.facade import Answer
 from router.serving.plan import load_plan
 from router.serving.registry import PluginRegistry
-from router.serving.runtime import Answer, Runtime
+from router.serving.runtime import Runtime, in_process
 from tests.conftest import read_records
 from tests.probes import ScriptedProbe
 from tests.virtual_clock import VirtualClockLoop, run_virtual
@@ -38,13 +39,13 @@ def ask(ident: str) -> Payload:
 def make_runtime(tmp_path: Path, fleet: str, registry: PluginRegistry | None = None, **kwargs: Any) -> Runtime:
     path = tmp_path / "fleet.yaml"
     path.write_text(fleet, encoding="utf-8")
-    return Runtime(load_plan(path, registry), **kwargs)
+    return in_process(load_plan(path, registry), **kwargs)
 
 
 @asynccontextmanager
 async def running(runtime: Runtime) -> AsyncIterator[Runtime]:
     await runtime.start()
-    await runtime.wait_loaded()
+    await runtime.core.wait_loaded()
     try:
         yield runtime
     finally:
@@ -144,7 +145,7 @@ async def test_a_device_whose_probe_fails_at_start_fails_its_models_only(tmp_pat
     fleet = "models:\n  m: {plugin: scripted, warmup: {enabled: false}}\n"
     runtime = make_runtime(tmp_path, fleet, probe_factory=probe_factory(probe))
     await runtime.start()
-    await runtime.wait_loaded()
+    await runtime.core.wait_loaded()
     [device] = runtime.devices()
     assert not device.available and "always failing" in (device.error or "")  # the device cannot be budgeted
     assert runtime.model("m").state == "failed"
@@ -159,7 +160,7 @@ def test_drain_answers_everything_even_past_its_timeout(tmp_path: Path) -> None:
     async def main(loop: VirtualClockLoop) -> list[object]:
         runtime = make_runtime(tmp_path, fleet, clock=loop.time)
         await runtime.start()
-        await runtime.wait_loaded()
+        await runtime.core.wait_loaded()
         tasks = [asyncio.create_task(runtime.submit("m", ask(f"r{i}"))) for i in range(4)]
         await until(lambda: busy(runtime))
         await runtime.drain(0.4)
@@ -200,7 +201,7 @@ async def test_a_batch_still_running_at_the_deadline_is_504_then_not_a_late_answ
         await until(lambda: executed(record) == [["slow"]])  # it ran to its end, unanswered
         # and its instance is free again (the plugin records before the loop sees the batch end:
         # a request in that gap is doomed at dispatch by the 2 s batch just timed)
-        await until(lambda: not any(i.busy for i in runtime.deployments["m"].instances))
+        await until(lambda: not any(i.busy for i in runtime.core.deployments["m"].instances))
         assert (await runtime.submit("m", ask("after"), timeout_ms=1000)).output["id"] == "after"
 
 

@@ -289,7 +289,7 @@ def test_mirror_outcomes_are_labelled_apart_from_a_user_s() -> None:
 def test_mirror_counts_go_to_their_own_counter_only() -> None:
     metrics = RouterMetrics()
     fanout = TelemetryFanout()
-    fanout.sinks.append(metrics)
+    fanout.add(metrics)
     fanout.observe_mirror("m", "shed")
     fanout.observe_mirror("m", "shed")
     fanout.observe_mirror("m", "served")

@@ -12,7 +12,7 @@ import pytest
 from router.config import FleetConfig, RouteConfig, load_fleet
 from router.errors import ConfigError, Conflict, ModelNotFound
 from router.serving.plan import load_plan
-from router.serving.runtime import Runtime
+from router.serving.runtime import in_process
 from router.serving.traffic import TrafficChange
 from router.serving.versions import VersionRoute
 from router.version_config import removal_problem
@@ -172,7 +172,7 @@ def versioned(name: str, *versions: str, extra: str = "") -> str:
 async def test_a_version_is_added_given_traffic_and_removed_each_change_a_new_route(tmp_path: Path) -> None:
     text = fleet(versioned("m", "1", "2", extra='    traffic: {"1": 90, "2": 10}\n'), budget_mb=100)
     async with running(make_runtime(tmp_path, text)) as runtime:
-        editor = runtime._editor
+        editor = runtime.core._editor
         first = editor.plan.routes["m"]
         assert (first.versions, first.generation) == (("1", "2"), 1)
         assert await editor.put_version("m", "3", {"plugin": "scripted"}, "put") == "added"
@@ -196,7 +196,7 @@ async def test_a_version_that_still_gets_requests_is_not_deleted(tmp_path: Path)
     extra = '    traffic: {"1": 90, "2": 10}\n    mirror: {version: "3"}\n'
     text = fleet(versioned("m", "1", "2", "3", "5", extra=extra), budget_mb=100)
     async with running(make_runtime(tmp_path, text)) as runtime:
-        editor = runtime._editor
+        editor = runtime.core._editor
         for version, why in [("1", "model 'm': version '1' is the stable version: make another one stable first"),
                              ("2", "version '2' takes 10 of the traffic: move it to another version first"),
                              ("3", "version '3' is the mirror: stop mirroring it")]:
@@ -229,7 +229,7 @@ def test_the_rollouts_candidate_is_not_removed() -> None:
 async def test_a_bad_split_is_refused_whole_naming_the_bad_value(tmp_path: Path, change: TrafficChange,
                                                                  message: str) -> None:
     async with running(make_runtime(tmp_path, fleet(versioned("m", "1", "2"), budget_mb=100))) as runtime:
-        editor = runtime._editor
+        editor = runtime.core._editor
         with pytest.raises(ConfigError) as error:
             await editor.set_traffic("m", change, source="set")
         assert message in str(error.value)
@@ -239,14 +239,14 @@ async def test_a_bad_split_is_refused_whole_naming_the_bad_value(tmp_path: Path,
 async def test_making_the_rollouts_candidate_stable_ends_the_rollout(tmp_path: Path) -> None:
     text = fleet(versioned("m", "1", "2", extra='    rollout: {candidate: "2"}\n'), budget_mb=100)
     async with running(make_runtime(tmp_path, text)) as runtime:
-        route = await runtime._editor.set_traffic("m", TrafficChange(weights={"2": 100}, stable="2"))
-        assert route.stable == "2" and runtime._editor.plan.fleet.routes["m"].rollout is None
+        route = await runtime.core._editor.set_traffic("m", TrafficChange(weights={"2": 100}, stable="2"))
+        assert route.stable == "2" and runtime.core._editor.plan.fleet.routes["m"].rollout is None
 
 
 async def test_versions_are_only_for_models_with_versions(tmp_path: Path) -> None:
     text = fleet(scripted("plain", residency="always"), versioned("m", "1"), budget_mb=100)
     async with running(make_runtime(tmp_path, text)) as runtime:
-        editor = runtime._editor
+        editor = runtime.core._editor
         with pytest.raises(Conflict, match="model 'plain' has no versions: give it versions: in the fleet file and reload"):
             await editor.put_version("plain", "2", {"plugin": "scripted"}, "put")
         with pytest.raises(Conflict, match="model 'plain' has no versions"):
@@ -263,21 +263,21 @@ async def test_versions_are_only_for_models_with_versions(tmp_path: Path) -> Non
 async def test_a_model_with_versions_is_put_whole_and_one_version_by_its_own_name(tmp_path: Path) -> None:
     async with running(make_runtime(tmp_path, fleet(versioned("m", "1", "2"), budget_mb=100))) as runtime:
         section: dict[str, Any] = {"plugin": "scripted", "versions": {"2": {}, "3": {}}, "traffic": {"2": 1, "3": 1}}
-        assert await runtime._editor.put("m", section, "put") == "changed"
-        route = runtime._editor.plan.routes["m"]
+        assert await runtime.core._editor.put("m", section, "put") == "changed"
+        route = runtime.core._editor.plan.routes["m"]
         assert route.versions == ("2", "3") and route.stable == "2" and route.generation == 2
         assert "m@1" not in runtime.model_names()
         outcome, _ = await runtime.put_model("m@4", {"plugin": "scripted"})
-        assert outcome == "added" and runtime._editor.plan.routes["m"].versions == ("2", "3", "4")
+        assert outcome == "added" and runtime.core._editor.plan.routes["m"].versions == ("2", "3", "4")
         await runtime.delete_model("m@4")
         await runtime.delete_model("m")
-        assert "m" not in runtime._editor.plan.routes and not [n for n in runtime.model_names() if n.startswith("m@")]
+        assert "m" not in runtime.core._editor.plan.routes and not [n for n in runtime.model_names() if n.startswith("m@")]
 
 
 async def test_a_pipeline_keeps_its_model_with_versions(tmp_path: Path) -> None:
     path = write(tmp_path, VERSIONED_PIXELS)
-    async with running(Runtime(load_plan(path))) as runtime:
-        editor = runtime._editor
+    async with running(in_process(load_plan(path))) as runtime:
+        editor = runtime.core._editor
         with pytest.raises(Conflict, match="model 'pixels' is used by pipeline\\(s\\) dc"):
             await runtime.delete_model("pixels")
         with pytest.raises(Conflict, match="could not use this section"):
@@ -291,7 +291,7 @@ async def test_a_reload_applies_the_difference_of_versions_and_swaps_the_route(t
     first = fleet(versioned("m", "1", "2", extra='    traffic: {"1": 90, "2": 10}\n'),
                   scripted("plain", residency="always"), budget_mb=200)
     async with running(make_runtime(tmp_path, first)) as runtime:
-        editor = runtime._editor
+        editor = runtime.core._editor
         second = fleet(versioned("m", "1", "3", extra='    traffic: {"1": 50, "3": 50}\n'),
                        versioned("plain", "a"), budget_mb=200)
         write(tmp_path, second)

@@ -1,9 +1,9 @@
-"""`ClusterRuntime`: the serving façade of a whole cluster, for the same HTTP app as one process.
+"""`ClusterRuntime`: the serving core of a whole cluster's front, device replicas behind it.
 
-It has `Runtime`'s verbs and snapshots (`router.serving.facade.ServingFacade`), so the Litestar
-app (native API, KServe V2, auth, limits, request ids, metrics) serves a cluster unchanged.
-Pipelines (the fleet file's) are run by the front's pipeline runner, each step's input sent to
-a replica like any request, its decoded pixels with it. `submit` sends a request to a device
+It is the cluster's implementation of `router.serving.facade.Core`, so `Serving` and the Litestar
+app over it (native API, KServe V2, auth, limits, request ids, metrics, versions) serve a cluster
+unchanged. Pipelines (the fleet file's) are run by the front's pipeline runner, each step's input
+sent to a replica like any request, its decoded pixels with it. `run` sends a request to a device
 replica through `ReplicaCalls` (Ray deployment handles in
 production, `router.cluster.calls`); Ray's request router picks the replica (`ray_router`). A
 replica that refuses before running anything (queue full, predicted deadline miss, shutting
@@ -18,12 +18,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from pydantic import ValidationError
 
@@ -31,26 +29,25 @@ from router.cluster.layout import cluster_of, copy_policies, served_models
 from router.cluster.reports import ErrorReply, ReplicaReport, Reply
 from router.cluster.view import cluster_devices, cluster_model
 from router.config import FleetConfig, ModelConfig, RouteConfig
-from router.errors import DeadlineExceeded, InputError, ModelNotFound, ModelUnavailable, brief
+from router.errors import DeadlineExceeded, InputError, ModelNotFound, ModelUnavailable, ShuttingDown, brief
 from router.sdk.agreement import default_agreement
 from router.sdk.plugin import Payload
-from router.serving.editor import ReloadReport
-from router.serving.inflight import InFlight, screening
+from router.serving.facade import Answer
 from router.serving.plan import PipelinePlan, plan_pipeline, version_route
-from router.serving.residency_executor import UnloadReport
 from router.serving.rollouts import Rollouts
 from router.serving.rules import ModelFigures, Refusal, Screened, Terms, screen
-from router.serving.runtime import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
-from router.serving.telemetry import Telemetry, TelemetryFanout
+from router.serving.telemetry import TelemetryFanout
 from router.serving.traffic import Observation, TrafficChange
+from router.serving.verbs import BeginDrain, LoadModel, SetTraffic, UnloadModel, Verb
 from router.serving.versions import VersionRoute
-from router.tracing.api import Phases, within_phase
+from router.tracing.api import Phases
 from router.version_config import RouteProblems, changed_route
 
 __all__ = ["ClusterRuntime", "PredictCall", "ReplicaCalls"]
 
 log = logging.getLogger("router.cluster.front")
+R = TypeVar("R")
 #: Beyond a request's deadline and its model's execution timeout, how long the front waits for a
 #: replica before answering 504 itself (a replica that hangs or whose node vanished).
 GRACE_S = 2.0
@@ -85,6 +82,9 @@ class ReplicaCalls(Protocol):
 
 
 class ClusterRuntime:
+    #: A request's whole stay on a replica (its queue, batch and hooks) is one phase of its trace.
+    phase: ClassVar[str] = "replica"
+
     def __init__(self, fleet: FleetConfig, calls: ReplicaCalls, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.fleet = fleet
         self.cluster = cluster_of(fleet)
@@ -98,7 +98,6 @@ class ClusterRuntime:
         self.requests: dict[str, Counter[str]] = {m: Counter() for m in fleet.models}
         self.cold: Counter[str] = Counter()
         self.retries: Counter[str] = Counter()
-        self._inflight = InFlight()
         self._draining = False
         self._refresher: asyncio.Task[None] | None = None
         self._route_configs = dict(fleet.routes)
@@ -123,9 +122,6 @@ class ClusterRuntime:
             await asyncio.sleep(self.cluster.stats_period_s)
             await self.refresh()
 
-    def add_telemetry(self, sink: Telemetry) -> None:
-        self.telemetry.sinks.append(sink)
-
     @property
     def ready(self) -> bool:
         """Not draining, a replica of every node type reports, every model with a min copy has one serving."""
@@ -138,20 +134,11 @@ class ClusterRuntime:
     def draining(self) -> bool:
         return self._draining
 
-    @property
-    def in_flight(self) -> int:
-        return self._inflight.count
-
     def begin_drain(self) -> None:
         self._draining = True
 
-    async def drain(self, timeout_s: float) -> None:
-        """Refuse new requests; wait for those in flight (the replicas answer every one)."""
-        self.begin_drain()
-        try:
-            await self._inflight.until_idle(timeout_s)
-        except TimeoutError:
-            log.warning("drain timeout with %d request(s) in flight", self._inflight.count)
+    def answer_open(self, error: ShuttingDown) -> None:
+        """Nothing waits here but for a replica's reply, and the replicas answer every request."""
 
     async def stop(self) -> None:
         if self._refresher is not None:
@@ -183,16 +170,14 @@ class ClusterRuntime:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def screen(self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
-               received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> Screened:
-        """Refuse what no replica could take, from the name and headers: unknown model, bad
-        header, shutting down, no replica for the model, more items than its queue holds. The
-        replica that takes the request commits it."""
-        config = self._config(model)
-        now = self.clock()
-        with screening(lambda outcome: self._count(model, outcome, received_at or now)):
-            return screen(Terms(model, now if received_at is None else received_at, priority, timeout_ms, items),
-                          self._figures(model, config), now)
+    def lookup(self, model: str) -> ModelConfig:
+        return self._config(model)
+
+    def screen(self, model: ModelConfig, terms: Terms, *, gate: bool) -> Screened:
+        """Refuse what no replica could take, from the name and headers: bad header, shutting
+        down, no replica for the model, more items than its queue holds. The replica that takes
+        the request commits it."""
+        return screen(terms, self._figures(terms.model, model), self.clock())
 
     def _figures(self, model: str, config: ModelConfig) -> ModelFigures:
         """The model as the request rules see it from here: the replicas keep the queues and decide
@@ -207,27 +192,18 @@ class ClusterRuntime:
         return ModelFigures(model, queue.priority_levels, queue.default_priority, queue.timeout_ms, queue.max_size,
                             occupancy=0, retry_after_s=1.0, refusal=refusal, at=self.clock())
 
-    def _count(self, model: str, outcome: str, started: float) -> None:
+    def ended(self, model: str, outcome: str) -> None:
         self.requests[model][outcome] += 1
-        self.telemetry.observe_request(model, outcome, self.clock() - started)
 
-    async def submit(self, model: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
-                     request_id: str | None = None, received_at: float | None = None,
-                     trace: Phases | None = None, wait_for_room: bool = False, must_finish: bool = False,
-                     screened: Screened | None = None, shadow: bool = False) -> Answer:
-        """With `trace`, the whole stay on a replica (its queue, batch and hooks) is one phase, "replica".
-        `screened`: the request's screen (`screen`), not run again; without it the request is
-        screened here first. `wait_for_room` and `must_finish` (a pipeline's later steps) go to the
-        replica with the input."""
-        config = self._config(model)
-        started = self.clock() if received_at is None else min(received_at, self.clock())
-        with self._inflight.request(lambda outcome: None if shadow else self._count(model, outcome, started)):
-            if screened is None:
-                terms = Terms(model, started, priority, timeout_ms, must_finish=must_finish, shadow=shadow)
-                screened = screen(terms, self._figures(model, config), self.clock())
-            how = {"wait_for_room": wait_for_room, "must_finish": must_finish, "shadow": shadow}
-            work = self._route(model, config, payload, priority, request_id or uuid.uuid4().hex, screened.deadline, how)
-            return await (work if trace is None else within_phase(trace, "replica", self.clock, work))
+    async def run(self, model: ModelConfig, terms: Terms, screened: Screened | None, payload: Payload,
+                  request_id: str, trace: Phases | None) -> tuple[Answer, float]:
+        """`screened`: the request's screen, not run again; without it the request is screened
+        here first. `wait_for_room`, `must_finish` and `shadow` go to the replica with the input."""
+        if screened is None:
+            screened = screen(terms, self._figures(terms.model, model), self.clock())
+        how = {"wait_for_room": terms.wait_for_room, "must_finish": terms.must_finish, "shadow": terms.shadow}
+        answer = await self._route(terms.model, model, payload, terms.priority, request_id, screened.deadline, how)
+        return answer, screened.deadline
 
     async def _route(self, model: str, config: ModelConfig, payload: Payload, priority: int | None, request_id: str,
                      deadline: float, how: Mapping[str, bool]) -> Answer:
@@ -260,9 +236,26 @@ class ClusterRuntime:
             raise error
         raise DeadlineExceeded(f"deadline passed before a replica of model {model!r} could take the request")
 
-    # -- operators' changes ---------------------------------------------------------------------
+    # -- operators' changes: a cluster's fleet changes by deploying it again, but for these -------
 
-    async def load_model(self, name: str) -> ModelInfo:
+    async def call(self, verb: Verb[R]) -> R:
+        """Load and unload (placement keeps or keeps out every copy), a split, a drain."""
+        result: Any
+        if isinstance(verb, LoadModel):
+            result = await self._load(verb.name)
+        elif isinstance(verb, UnloadModel):
+            self._config(verb.name)
+            await self.calls.admin("unload", verb.name)
+            result = (self.model(verb.name), [])
+        elif isinstance(verb, SetTraffic):  # routed here, where the cluster's requests are (replicas serve every version)
+            result = await self.rollouts.set_traffic(verb.name, verb.change)
+        elif isinstance(verb, BeginDrain):
+            result = self.begin_drain()
+        else:
+            raise InputError(_REDEPLOY)
+        return result  # type: ignore[no-any-return]
+
+    async def _load(self, name: str) -> ModelInfo:
         """Keep at least one copy resident (placement places it); waits until one serves."""
         config = self._config(name)
         await self.calls.admin("load", name)
@@ -274,36 +267,10 @@ class ClusterRuntime:
             await self.refresh()
         return self.model(name)
 
-    async def unload_model(self, name: str) -> tuple[ModelInfo, list[UnloadReport]]:
-        """Unload every copy and keep it out (on every replica, new ones too) until loaded."""
-        self._config(name)
-        await self.calls.admin("unload", name)
-        return self.model(name), []
-
-    async def put_model(self, name: str, section: Mapping[str, Any], source: str = "PUT /models") -> tuple[str, ModelInfo]:
-        raise InputError(_REDEPLOY)
-
-    async def delete_model(self, name: str) -> None:
-        raise InputError(_REDEPLOY)
-
-    async def reload(self, path: Path | None = None) -> ReloadReport:
-        raise InputError(_REDEPLOY)
-
     # -- versions: the fleet file's routes; the front routes, the replicas serve each version ------
 
     def routes(self) -> Mapping[str, VersionRoute]:
         return self._routes
-
-    async def put_version(self, name: str, version: str, section: Mapping[str, Any],
-                          source: str = "PUT /models") -> tuple[str, ModelInfo]:
-        raise InputError(_REDEPLOY)
-
-    async def delete_version(self, name: str, version: str) -> None:
-        raise InputError(_REDEPLOY)
-
-    async def set_traffic(self, name: str, change: TrafficChange) -> VersionRoute:
-        """A split changed here, where the cluster's requests are routed (the replicas serve every version)."""
-        return await self.rollouts.set_traffic(name, change)
 
     async def _apply_traffic(self, name: str, change: TrafficChange) -> VersionRoute:
         try:
@@ -333,13 +300,6 @@ class ClusterRuntime:
 
     def pipeline(self, name: str) -> PipelinePlan | None:
         return self._pipelines.get(name)
-
-    async def put_pipeline(self, name: str, section: Mapping[str, Any],
-                           source: str = "PUT /pipelines") -> tuple[str, PipelinePlan]:
-        raise InputError(_REDEPLOY)
-
-    async def delete_pipeline(self, name: str) -> None:
-        raise InputError(_REDEPLOY)
 
 
 _REDEPLOY = ("a cluster's fleet changes by deploying it again: edit the fleet file and run "

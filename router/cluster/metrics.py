@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from router.cluster.front import ClusterRuntime
 from router.cluster.reports import ReplicaReport
 from router.http.metrics import RouterMetrics
+from router.serving.facade import Serving
 
 __all__ = ["ClusterMetrics"]
 
@@ -28,10 +29,10 @@ REPLICA_PREFIX = "model_router_replica_"
 
 
 class ClusterMetrics(RouterMetrics):
-    def bind_cluster(self, runtime: ClusterRuntime) -> None:
+    def bind_cluster(self, serving: Serving[ClusterRuntime]) -> None:
         """Bind as `RouterMetrics.bind`, plus the cluster's and the replicas' families."""
-        self.bind(runtime)
-        self.registry.register(_ClusterCollector(runtime))
+        self.bind(serving)
+        self.registry.register(_ClusterCollector(serving.core))
 
 
 class _ClusterCollector(Collector):

@@ -28,7 +28,7 @@ from router.http.metrics import RouterMetrics
 from router.sdk.plugin import Payload
 from router.serving.plan import resolve_fleet
 from router.serving.registry import PluginRegistry
-from router.serving.runtime import Runtime
+from router.serving.runtime import in_process
 
 __all__ = ["DeviceReplica"]
 
@@ -49,8 +49,8 @@ class DeviceReplica:
         mine = replica_fleet(config, node_type)
         registry = PluginRegistry.from_entry_points(only={m.plugin for m in mine.models.values()})
         node = config.cluster.node_types[node_type]
-        self.runtime = Runtime(resolve_fleet(mine, registry, f"cluster replica ({node_type})"),
-                               cpu_workers=max(1, int(node.num_cpus)))
+        self.runtime = in_process(resolve_fleet(mine, registry, f"cluster replica ({node_type})"),
+                                   cpu_workers=max(1, int(node.num_cpus)))
         self.metrics = RouterMetrics()
         self.metrics.bind(self.runtime)
         await self.runtime.start()
@@ -74,7 +74,7 @@ class DeviceReplica:
     ) -> Reply:
         """One input through the model (a pipeline's step: decoded `pixels`, and how it waits).
         `avoid` is for the request router only (replicas that refused)."""
-        cold = not self.runtime.is_serving(model)
+        cold = not self.runtime.core.is_serving(model)
         try:
             answer = await self.runtime.submit(model, Payload(body, media_type, filename, pixels=pixels),
                                                priority=priority, timeout_ms=timeout_ms, request_id=request_id,

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from router.errors import RouterError, error_named
-from router.serving.runtime import Answer
+from router.serving.facade import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
 
 __all__ = ["Command", "ErrorReply", "ModelLoad", "ReplicaReport", "Reply", "RouteView", "model_loads"]

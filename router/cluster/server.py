@@ -26,6 +26,7 @@ from router.cluster.metrics import ClusterMetrics
 from router.config import FleetConfig, ServerSettings
 from router.http.app import create_app
 from router.http.auth import policy_from_settings
+from router.serving.facade import Serving
 from router.tracing import tracing_from_environment
 
 __all__ = ["FrontServer", "IngressFront", "build_front_app"]
@@ -38,7 +39,7 @@ def build_front_app(
 ) -> Litestar:
     """The router's app (settings from MODEL_ROUTER_* and OTEL_* in the replica's environment) over the cluster."""
     settings = ServerSettings()
-    runtime = ClusterRuntime(fleet, RayCalls(devices, placement))
+    runtime = Serving(ClusterRuntime(fleet, RayCalls(devices, placement)))
     metrics = ClusterMetrics()
     metrics.bind_cluster(runtime)
     return create_app(runtime, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,

@@ -28,7 +28,7 @@ from router.errors import EngineUnavailable, ModelNotFound
 from router.grpc.calls import call_of, check_access, hold_stream
 from router.grpc.streams import OpenStreams
 from router.inference_protocol.targets import Pipelines, find_target
-from router.serving.facade import ServingFacade
+from router.serving.facade import Serving
 
 __all__ = ["ReadinessHealth", "health_status"]
 
@@ -36,7 +36,7 @@ __all__ = ["ReadinessHealth", "health_status"]
 WATCH_INTERVAL_S: Final = 0.5
 
 
-def health_status(runtime: ServingFacade, pipelines: Pipelines, service: str, server_services: frozenset[str]) -> Any:
+def health_status(runtime: Serving, pipelines: Pipelines, service: str, server_services: frozenset[str]) -> Any:
     """The health of `service`: the server's readiness, a model's or a pipeline's, or SERVICE_UNKNOWN."""
     if service in server_services:
         return health_pb2.HealthCheckResponse.SERVING if runtime.ready else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -52,7 +52,7 @@ def health_status(runtime: ServingFacade, pipelines: Pipelines, service: str, se
 class ReadinessHealth(health_pb2_grpc.HealthServicer):  # type: ignore[misc]
     """Check and Watch on the serving façade's readiness, behind the access policy's health level."""
 
-    def __init__(self, runtime: ServingFacade, pipelines: Pipelines, policy: AccessPolicy, service_name: str,
+    def __init__(self, runtime: Serving, pipelines: Pipelines, policy: AccessPolicy, service_name: str,
                  keyless: OpenStreams) -> None:
         self.runtime = runtime
         self.pipelines = pipelines

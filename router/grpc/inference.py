@@ -36,7 +36,7 @@ from router.inference_protocol.request import router_priority
 from router.inference_protocol.shared_memory import Caller, SharedMemoryRegistry
 from router.inference_protocol.submission import item_traces, run_request
 from router.inference_protocol.targets import Pipelines, find_target, served_version
-from router.serving.facade import ServingFacade
+from router.serving.facade import Serving
 from router.tracing.api import Tracing
 
 __all__ = ["Inference", "answer_in_order", "shared_memory_caller"]
@@ -53,7 +53,7 @@ def shared_memory_caller(registry: SharedMemoryRegistry, policy: AccessPolicy, c
 class Inference:
     """The inference calls of one gRPC server, on the serving façade."""
 
-    def __init__(self, runtime: ServingFacade, pipelines: Pipelines, shared_memory: SharedMemoryRegistry,
+    def __init__(self, runtime: Serving, pipelines: Pipelines, shared_memory: SharedMemoryRegistry,
                  policy: AccessPolicy, *, max_message_bytes: int, max_items: int, frames_in_flight: int,
                  tracing: Tracing | None = None) -> None:
         self.runtime = runtime

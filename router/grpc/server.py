@@ -31,7 +31,7 @@ from router.grpc.service import SERVICE_NAME, InferenceService
 from router.grpc.streams import OpenStreams, share
 from router.inference_protocol.shared_memory import SharedMemoryRegistry
 from router.inference_protocol.targets import Pipelines
-from router.serving.facade import ServingFacade
+from router.serving.facade import Serving
 from router.tracing.api import Tracing
 
 __all__ = ["GrpcServer", "grpc_server"]
@@ -77,7 +77,7 @@ class GrpcServer:
             self._server = None
 
 
-def grpc_server(runtime: ServingFacade, settings: ServerSettings, policy: AccessPolicy,
+def grpc_server(runtime: Serving, settings: ServerSettings, policy: AccessPolicy,
                 shared_memory: SharedMemoryRegistry, pipelines: Pipelines, tracing: Tracing | None = None, *,
                 reuse_port: bool = False) -> GrpcServer:
     """The gRPC endpoint the settings ask for (`grpc_port`; the caller skips it for 0). `pipelines`:

@@ -24,7 +24,7 @@ from router.grpc.streams import OpenStreams
 from router.inference_protocol import repository
 from router.inference_protocol.shared_memory import Caller, SharedMemoryRegistry, refuse_cuda
 from router.inference_protocol.targets import Pipelines, find_target, is_ready, repository_index
-from router.serving.facade import ServingFacade
+from router.serving.facade import Serving
 from router.tracing.api import Tracing
 
 __all__ = ["SERVICE_NAME", "InferenceService"]
@@ -42,7 +42,7 @@ def _message(document: Mapping[str, Any], message: Any) -> Any:
 class InferenceService:
     """The handlers of the Open Inference Protocol's gRPC service."""
 
-    def __init__(self, runtime: ServingFacade, pipelines: Pipelines, inference: Inference,
+    def __init__(self, runtime: Serving, pipelines: Pipelines, inference: Inference,
                  shared_memory: SharedMemoryRegistry, policy: AccessPolicy, tracing: Tracing | None = None, *,
                  keyless: OpenStreams) -> None:
         self.runtime = runtime

@@ -1,10 +1,12 @@
-"""`EngineClient`: the serving façade in a front process (`router.serving.facade.ServingFacade`).
+"""`EngineClient`: the serving core of a front process, the engine behind its socket.
 
-The front's app (native API, KServe V2, /ui, admin) talks to it exactly as to `Runtime`. Behind
-it: refusals from the engine's board with the very rules the engine runs (`screen`, once per
-request: where it arrives, or at the start of `submit` for a request that comes unscreened; the
-engine commits it), `preprocess` and `postprocess` on this process's plugin objects, and one
-`Submit` and one `Reply` per request over the engine's socket. Snapshots are the engine's latest,
+It is the split host's implementation of `router.serving.facade.Core`: the front's `Serving`
+(native API, KServe V2, gRPC, pipelines, versions) handles requests exactly as over one process's
+`Runtime`. Behind it: refusals from the engine's board with the very rules the engine runs
+(`screen`, once per request: where it arrives, or at the start of `run` for a request that comes
+unscreened; the engine commits it), `preprocess` and `postprocess` on this process's plugin
+objects, and one `Submit` and one `Reply` per request over the engine's socket; each fleet call
+is one typed `Call`. Snapshots are the engine's latest,
 with the request counts of every front. The engine gone, not yet synced, or silent past
 `engine_stale_s` (`router.host.heartbeat`): every open request and every new one is answered 503
 with Retry-After at once, the model routes and readiness answer the same 503, `ready` is false,
@@ -19,7 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, ClassVar, TypeVar, cast
 
 import msgspec
 
@@ -41,39 +43,19 @@ from router.host.heartbeat import HEARTBEAT_EVERY_S, Heartbeat
 from router.host.messages import CallReply, Lags, Models, Observed, Packed, PayloadRef, Reply, Snapshot, Submit
 from router.host.packing import Packer, unpack
 from router.host.stream import EngineStream, handshake
-from router.host.verbs import (
-    AdminVerb,
-    BeginDrain,
-    DeleteModel,
-    DeletePipeline,
-    DeleteVersion,
-    LoadModel,
-    PutModel,
-    PutPipeline,
-    PutVersion,
-    ReleaseModel,
-    Reload,
-    SetTraffic,
-    UnloadModel,
-    Verb,
-    pipeline_from_wire,
-)
-from router.logs import new_request_id
 from router.sdk.agreement import default_agreement
 from router.sdk.plugin import Payload
-from router.serving.checks import check_answer, check_media_type
-from router.serving.editor import ReloadReport
-from router.serving.inflight import InFlight, screening
+from router.serving.facade import Answer
+from router.serving.hooks import check_answer, check_media_type
 from router.serving.phases import trace_execution
 from router.serving.plan import PipelinePlan
-from router.serving.residency_executor import UnloadReport
 from router.serving.rules import Screened, Terms, screen
-from router.serving.runtime import Answer
 from router.serving.snapshots import DeviceInfo, ModelInfo
-from router.serving.telemetry import Telemetry, TelemetryFanout, mirrored
-from router.serving.traffic import Observation, TrafficChange
+from router.serving.telemetry import TelemetryFanout
+from router.serving.traffic import Observation
+from router.serving.verbs import AdminVerb, BeginDrain, Verb, pipeline_from_wire
 from router.serving.versions import VersionRoute
-from router.tracing.api import Phases, within_phase
+from router.tracing.api import Phases
 
 __all__ = ["REQUEST_ARENA_BYTES", "EngineClient"]
 
@@ -89,6 +71,8 @@ R = TypeVar("R")
 
 
 class EngineClient:
+    phase: ClassVar[str] = "admission"
+
     def __init__(self, socket_path: Path, front: int, *, cpu_workers: int = 1,
                  arena_bytes: int = REQUEST_ARENA_BYTES, clock: Callable[[], float] = time.monotonic,
                  stale_after_s: float = ServerSettings.model_fields["engine_stale_s"].default) -> None:
@@ -105,7 +89,6 @@ class EngineClient:
         self._pipelines: dict[str, PipelinePlan] = {}  # as the engine last described them (`Models`)
         self._routes: dict[str, VersionRoute] = {}  # likewise
         self._observed: list[Observation] = []  # for the engine's rollouts, sent with the lags
-        self._inflight = InFlight()
         self._preparing: Counter[str] = Counter()  # requests prepared here, not yet sent
         self._exchanges = Exchanges(self.arena, clock)
         self._stream: EngineStream | None = None
@@ -205,9 +188,6 @@ class EngineClient:
 
     # -- snapshots ------------------------------------------------------------------------------
 
-    def add_telemetry(self, sink: Telemetry) -> None:
-        self.telemetry.sinks.append(sink)
-
     def _snapshots(self) -> tuple[bool, bool, list[ModelInfo], list[DeviceInfo]]:
         if self._snapshot is None:
             raw = self._raw_snapshot
@@ -241,10 +221,6 @@ class EngineClient:
     @property
     def draining(self) -> bool:
         return self._draining or self._snapshots()[1]
-
-    @property
-    def in_flight(self) -> int:
-        return self._inflight.count
 
     def model_names(self) -> list[str]:
         return list(self._fleet.models)
@@ -302,40 +278,24 @@ class EngineClient:
         limit = model.entry.queue_timeout_ms
         return terms.received_at + (min(terms.timeout_ms, limit) if terms.timeout_ms else limit) / 1000
 
-    def screen(self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
-               received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> Screened:
-        now = self.clock()
-        started = now if received_at is None else min(received_at, now)
-        with screening(lambda outcome: self._count(model, outcome, started)):
-            return self._screen(self._model(model), Terms(model, started, priority, timeout_ms, items))
+    def lookup(self, model: str) -> FrontModel:
+        return self._model(model)
 
-    def _count(self, model: str, outcome: str, started: float) -> None:
-        self.telemetry.observe_request(model, outcome, self.clock() - started)
+    def screen(self, model: FrontModel, terms: Terms, *, gate: bool) -> Screened:
+        return self._screen(model, terms)
 
-    async def submit(self, model: str, payload: Payload, *, priority: int | None = None,
-                     timeout_ms: float | None = None, request_id: str | None = None,
-                     received_at: float | None = None, trace: Phases | None = None,
-                     wait_for_room: bool = False, must_finish: bool = False,
-                     screened: Screened | None = None, shadow: bool = False) -> Answer:
-        """With `trace` (a sampled request's), its phases here (admission, preprocess, queue wait,
-        execute from the engine's batch facts, linked to the engine's batch span, postprocess).
-        `screened`: the request's screen (`screen`), not run again; without it the request is
-        screened here first. `wait_for_room` and `must_finish` (a pipeline's later steps,
-        `Runtime.submit`) go to the engine with the request; such a request is not screened here
-        (it waits for room in the engine, where the room is freed)."""
-        front = self._model(model)
-        request_id = request_id or new_request_id()
-        started = self.clock() if received_at is None else min(received_at, self.clock())
-        terms = Terms(model, started, priority, timeout_ms, must_finish=must_finish, wait_for_room=wait_for_room,
-                      shadow=shadow)
-        if shadow:  # a mirrored copy: counted apart, never as a user's request
-            with mirrored(self.telemetry, model), self._inflight.request(lambda outcome: None):
-                return (await self._submit(front, terms, payload, request_id, None, None))[0]
-        with self._inflight.request(lambda outcome: self._count(model, outcome, started)):
-            work = self._submit(front, terms, payload, request_id, trace, screened)
-            answer, deadline = await (work if trace is None else within_phase(trace, "admission", self.clock, work))
-            self.telemetry.observe_answer(model, self.clock() - started, deadline - started)
-            return answer
+    def ended(self, model: str, outcome: str) -> None:
+        """Counted by the front's metrics, which every front writes (`request_counts`)."""
+
+    async def run(self, model: FrontModel, terms: Terms, screened: Screened | None, payload: Payload,
+                  request_id: str, trace: Phases | None) -> tuple[Answer, float]:
+        """With `trace` (a sampled request's), its phases here (preprocess, queue wait, execute
+        from the engine's batch facts, linked to the engine's batch span, postprocess).
+        `screened`: the request's screen, not run again; without it the request is screened here
+        first. `wait_for_room` and `must_finish` (a pipeline's later steps) go to the engine with
+        the request; such a request is not screened here (it waits for room in the engine, where
+        the room is freed)."""
+        return await self._submit(model, terms, payload, request_id, trace, screened)
 
     async def _submit(self, front: FrontModel, terms: Terms, payload: Payload, request_id: str,
                       trace: Phases | None, screened: Screened | None) -> tuple[Answer, float]:
@@ -452,8 +412,10 @@ class EngineClient:
 
     # -- operators' changes and lifecycle --------------------------------------------------------
 
-    async def _call(self, verb: Verb[R]) -> R:
-        """One admin verb run by the engine: what it returns, or its error raised here."""
+    async def call(self, verb: Verb[R]) -> R:
+        """One fleet call run by the engine: what it returns, or its error raised here. The engine
+        sends its news first, so this front's models, pipelines and routes show the change when
+        the reply comes."""
         await asyncio.wait_for(self._synced.wait(), 30.0)
         if (away := self._away()) is not None:  # silent: it would not answer
             raise away
@@ -464,27 +426,8 @@ class EngineClient:
             raise reply.failure.error()
         return verb.result(reply.result)
 
-    async def load_model(self, name: str) -> ModelInfo:
-        return await self._call(LoadModel(name))
-
-    async def unload_model(self, name: str) -> tuple[ModelInfo, list[UnloadReport]]:
-        return await self._call(UnloadModel(name))
-
-    async def release_model(self, name: str, *, unload: bool = False) -> tuple[ModelInfo, list[UnloadReport]]:
-        return await self._call(ReleaseModel(name, unload))
-
-    async def put_model(self, name: str, section: Mapping[str, Any],
-                        source: str = "PUT /models") -> tuple[str, ModelInfo]:
-        return await self._call(PutModel(name, dict(section), source))
-
-    async def delete_model(self, name: str) -> None:
-        await self._call(DeleteModel(name))
-
-    async def reload(self, path: Path | None = None) -> ReloadReport:
-        return await self._call(Reload(str(path) if path else None))
-
-    # Pipelines: the engine's editor holds their definitions; this front's pipeline runner runs
-    # them through `submit`, reading the definitions the engine last sent.
+    # Pipelines and routes: as the engine last described them (`Models`); this front's pipeline
+    # runner and version router read them, and its observations go with its lags.
 
     def pipelines(self) -> list[PipelinePlan]:
         return list(self._pipelines.values())
@@ -492,34 +435,8 @@ class EngineClient:
     def pipeline(self, name: str) -> PipelinePlan | None:
         return self._pipelines.get(name)
 
-    async def put_pipeline(self, name: str, section: Mapping[str, Any],
-                           source: str = "PUT /pipelines") -> tuple[str, PipelinePlan]:
-        outcome, wire = await self._call(PutPipeline(name, dict(section), source))
-        plan = pipeline_from_wire(wire)
-        self._pipelines[plan.name] = plan  # served here at once; `Models` confirms it
-        return outcome, plan
-
-    async def delete_pipeline(self, name: str) -> None:
-        await self._call(DeletePipeline(name))
-        self._pipelines.pop(name, None)
-
-    # Versions: the engine owns the routes and their rollouts; this front routes by the routes it
-    # last received and sends what it observed with its lags.
-
     def routes(self) -> Mapping[str, VersionRoute]:
         return self._routes
-
-    async def put_version(self, name: str, version: str, section: Mapping[str, Any],
-                          source: str = "PUT /models") -> tuple[str, ModelInfo]:
-        return await self._call(PutVersion(name, version, dict(section), source))
-
-    async def delete_version(self, name: str, version: str) -> None:
-        await self._call(DeleteVersion(name, version))
-
-    async def set_traffic(self, name: str, change: TrafficChange) -> VersionRoute:
-        route = await self._call(SetTraffic(name, change))
-        self._routes = {**self._routes, name: route}  # routed here at once; `Models` confirms it
-        return route
 
     def rollout(self, name: str) -> dict[str, Any] | None:
         raw = self._raw_snapshot
@@ -538,24 +455,13 @@ class EngineClient:
 
     def begin_drain(self) -> None:
         """Refuse new requests here at once, and have the engine refuse them everywhere."""
-        if not self._draining:
-            log.info("front %d draining: %d request(s) in flight", self.front, self._inflight.count)
+        if not self._draining and self._stream is not None:
+            self._spawn(self.call(BeginDrain()), "begin-drain")
         self._draining = True
-        if self._stream is not None:
-            self._spawn(self._call(BeginDrain()), "begin-drain")
 
-    async def drain(self, timeout_s: float) -> None:
-        """Refuse new work; wait for this front's requests to be answered; 503 to what is left."""
-        self.begin_drain()
-        try:
-            await self._inflight.until_idle(timeout_s)
-        except TimeoutError:
-            log.warning("drain timeout: answering %d remaining request(s) with 503", self._exchanges.open)
-        self._exchanges.cancel_all(ShuttingDown("server is shutting down"))
-        try:
-            await self._inflight.until_idle(5.0)
-        except TimeoutError:
-            log.error("%d request(s) still in flight after drain", self._inflight.count)
+    def answer_open(self, error: ShuttingDown) -> None:
+        """Answer every request still waiting for the engine with `error`."""
+        self._exchanges.cancel_all(error)
 
 
 def _with_requests(info: ModelInfo, counts: Mapping[str, int] | None) -> ModelInfo:

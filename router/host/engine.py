@@ -96,6 +96,12 @@ class EngineServer:
         self._spawn(self._news_loop(), "fleet-news")
         log.info("engine listening on %s (epoch %d)", self.socket_path, self.epoch)
 
+    async def until_answered(self, timeout_s: float) -> None:
+        """Wait until every front's requests are answered; TimeoutError after `timeout_s`."""
+        async with asyncio.timeout(timeout_s):
+            while any(link.requests for link in self.links.values()):
+                await asyncio.sleep(0.01)
+
     async def stop(self) -> None:
         for task in list(self._tasks):
             task.cancel()
@@ -242,17 +248,17 @@ class EngineServer:
         self._enqueue(pending, submit, item)
 
     async def _whole(self, pending: Pending, submit: Submit) -> None:
-        """Hooks in the engine: the raw body through `Runtime.submit`, the answer back whole."""
+        """Hooks in the engine: the raw body committed by `Runtime.run` (the front counted the
+        request and screened it), the answer back whole."""
         assert submit.payload is not None
         ref = submit.payload
         body = unpack(ref.body, pending.link.request_arena)
         pixels = unpack(ref.pixels, pending.link.request_arena) if ref.pixels is not None else None
         terms = submit.terms
         try:
-            answer = await self.runtime.submit(
-                terms.model, Payload(bytes(body), ref.media_type, ref.filename, pixels=pixels), priority=terms.priority,
-                timeout_ms=terms.timeout_ms, request_id=submit.request_id, received_at=terms.received_at,
-                wait_for_room=terms.wait_for_room, must_finish=terms.must_finish, shadow=terms.shadow)
+            payload = Payload(bytes(body), ref.media_type, ref.filename, pixels=pixels)
+            answer, _ = await self.runtime.run(self.runtime.lookup(terms.model), terms, None, payload,
+                                               submit.request_id, None)
         except RouterError as exc:
             self.failed(pending, exc)
             return

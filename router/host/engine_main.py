@@ -19,7 +19,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from router.errors import ConfigError
+from router.errors import ConfigError, ShuttingDown
 from router.host.engine import EngineServer
 from router.host.handover import read_settings
 from router.host.titles import die_with_parent, set_title
@@ -122,7 +122,12 @@ async def _serve(runtime: Runtime, metrics: RouterMetrics, socket: Path, epoch: 
     counting = asyncio.ensure_future(_count_messages(received, metrics))
     await stop.wait()
     log.info("engine stopping: answering what is left")
-    await runtime.drain(min(drain_s, 5.0))  # the fronts drained first
+    runtime.begin_drain()  # the fronts drained first
+    try:
+        await server.until_answered(min(drain_s, 5.0))
+    except TimeoutError:
+        log.warning("engine drain timeout: answering what is left with 503")
+    runtime.answer_open(ShuttingDown("server is shutting down"))
     counting.cancel()
     await server.stop()
     await runtime.stop()

@@ -18,7 +18,7 @@ from router.errors import DeadlineExceeded, EngineUnavailable
 from router.host.arena import Arena
 from router.host.messages import Call, CallReply, Cancel, Packed, Release, Reply, Submit
 from router.host.stream import EngineStream
-from router.host.verbs import AdminVerb
+from router.serving.verbs import AdminVerb
 
 __all__ = ["ENGINE_GONE", "GRACE_S", "Exchanges", "engine_gone", "engine_silent"]
 

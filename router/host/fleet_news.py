@@ -14,10 +14,10 @@ import msgspec
 
 from router.host.board import MAX_MODELS, BoardWriter
 from router.host.messages import Lags, ModelEntry, Models, Snapshot
-from router.host.verbs import pipeline_wire
 from router.serving.deployment import Deployment
 from router.serving.intake import SHUTTING_DOWN
 from router.serving.runtime import Runtime
+from router.serving.verbs import pipeline_wire
 
 __all__ = ["FleetNews"]
 

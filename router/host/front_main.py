@@ -28,6 +28,7 @@ from router.http.server import run_server
 from router.inference_protocol.shared_memory import SharedMemoryRegistry
 from router.logs import configure_logging
 from router.pipelines import PipelineRunner
+from router.serving.facade import Serving
 from router.serving.threads import available_cores
 from router.tracing import tracing_from_environment
 
@@ -90,21 +91,22 @@ def main(argv: list[str] | None = None) -> int:
                           stale_after_s=settings.engine_stale_s)
     # V2 system shared memory: one table of registrations for every front (the run directory's)
     shared_memory = SharedMemoryRegistry.from_settings(settings, table=args.socket.parent / "regions")
-    pipelines = PipelineRunner(client)  # one runner for this front's HTTP app and its gRPC listener
+    serving = Serving(client)
+    pipelines = PipelineRunner(serving)  # one runner for this front's HTTP app and its gRPC listener
     listeners: list[Listener] = []
     if settings.grpc_port:  # every front serves gRPC too, on the same port (grpc.so_reuseport)
-        listeners.append(grpc_server(client, settings, policy, shared_memory, pipelines, tracing, reuse_port=True))
+        listeners.append(grpc_server(serving, settings, policy, shared_memory, pipelines, tracing, reuse_port=True))
     fronts = ListeningFronts(args.socket.parent / "listening", workers)
     listeners.append(ListeningMark(fronts, args.index))  # last: once the gRPC server listens
     client.listening = fronts.all_listening  # ready (HTTP and gRPC) once every front listens
-    app = create_app(client, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
+    app = create_app(serving, max_body_bytes=settings.max_body_bytes, drain_timeout_s=settings.drain_timeout_s,
                      access_policy=policy, body_timeout_s=settings.body_timeout_s, max_items=settings.max_items,
                      trim_memory=settings.trim_memory, shared_memory=shared_memory, listeners=listeners,
                      tracing=tracing, pipelines=pipelines)
     client.request_counts = app.state.metrics.request_counts  # /models shows every front's counts
     pipelines.counts = app.state.metrics.pipeline_counts  # and every front's pipeline counts
     sock = listening_socket(settings.host, settings.port)
-    run_server(app, client, settings, sockets=[sock],
+    run_server(app, serving, settings, sockets=[sock],
                max_connections=max(1, math.ceil(settings.max_connections / workers)))
     return 0
 

@@ -15,10 +15,10 @@ from typing import Any
 import msgspec
 
 from router.errors import RouterError, error_named
-from router.host.verbs import AdminVerb
 from router.scheduling.queue import BatchFacts
 from router.serving.rules import Terms
 from router.serving.traffic import Observation
+from router.serving.verbs import AdminVerb
 
 __all__ = [
     "Call",
@@ -146,7 +146,7 @@ class Observed(_Message):
 
 
 class Call(_Message):
-    """An admin verb for the engine's runtime, its arguments in it (`router.host.verbs`); one `CallReply` answers it."""
+    """An admin verb for the engine's runtime, its arguments in it (`router.serving.verbs`); one `CallReply` answers it."""
 
     id: int
     verb: AdminVerb
@@ -164,7 +164,7 @@ class Welcome(_Message):
 
 class Models(_Message):
     models: tuple[ModelEntry, ...]
-    pipelines: bytes = b""  # the pipelines served (msgpack, `router.host.verbs.pipeline_wire` each)
+    pipelines: bytes = b""  # the pipelines served (msgpack, `router.serving.verbs.pipeline_wire` each)
     routes: bytes = b""  # the routed names' routes (msgpack of `VersionRoute`s)
 
 

@@ -40,7 +40,7 @@ from router.logs import request_id_var, trace_id_var
 from router.pipelines import PipelineRunner
 from router.sdk.bounded_json import lone_surrogate
 from router.sdk.plugin import Payload
-from router.serving.facade import ServingFacade
+from router.serving.facade import Serving
 from router.serving.versions import split_name
 from router.tracing.api import RequestSpan, Tracing, access_attributes
 
@@ -364,7 +364,7 @@ class Listener(Protocol):
 
 
 def create_app(
-    runtime: ServingFacade,
+    runtime: Serving,
     *,
     max_body_bytes: int = 20 * 1024 * 1024,
     drain_timeout_s: float = 30.0,

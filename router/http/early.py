@@ -30,7 +30,7 @@ from router.http.auth import Access, AccessPolicy
 from router.http.headers import announced_length, incoming_or_new, number_header, priority_header
 from router.http.protocol import EarlyAnswer
 from router.pipelines import PipelineRunner
-from router.serving.facade import ServingFacade
+from router.serving.facade import Serving
 from router.serving.rules import Screened
 from router.tracing.api import Tracing
 
@@ -49,7 +49,7 @@ ROUTE = "/models/{name}/predict"
 class EarlyRefusals:
     """The connection's screen: `(method, url, headers) -> EarlyAnswer | Screened | None`."""
 
-    def __init__(self, runtime: ServingFacade, policy: AccessPolicy, tracing: Tracing | None = None,
+    def __init__(self, runtime: Serving, policy: AccessPolicy, tracing: Tracing | None = None,
                  pipelines: PipelineRunner | None = None) -> None:
         self.runtime = runtime
         self.policy = policy

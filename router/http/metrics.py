@@ -23,7 +23,7 @@ from router.errors import EngineUnavailable
 from router.serving.rules import EVALUATIONS
 
 if TYPE_CHECKING:
-    from router.serving.facade import ServingFacade
+    from router.serving.facade import Serving
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 
@@ -211,7 +211,7 @@ class RouterMetrics:
         if seconds <= deadline_s:
             self._child(self.within_deadline, model).inc()
 
-    def bind(self, runtime: ServingFacade) -> None:
+    def bind(self, runtime: Serving) -> None:
         """Receive the runtime's events and read its state at scrape time."""
         runtime.add_telemetry(self)
         for name in runtime.model_names():  # a ratio's numerator exists (at 0) before its first event
@@ -251,7 +251,7 @@ class RouterMetrics:
 
 
 class _StateCollector(Collector):
-    def __init__(self, runtime: Callable[[], ServingFacade]) -> None:
+    def __init__(self, runtime: Callable[[], Serving]) -> None:
         self._runtime = runtime
 
     def collect(self) -> Iterable[Metric]:
@@ -281,7 +281,7 @@ class _StateCollector(Collector):
         yield from _route_families(runtime)
 
 
-def _device_families(runtime: ServingFacade) -> Iterable[Metric]:
+def _device_families(runtime: Serving) -> Iterable[Metric]:
     reserved = GaugeMetricFamily("model_router_ledger_reserved_bytes", "Bytes reserved by running batches.", labels=["device"])
     weights = GaugeMetricFamily("model_router_ledger_weights_bytes", "Bytes booked for loaded weights.", labels=["device"])
     peak = GaugeMetricFamily("model_router_ledger_peak_bytes", "Highest ledger total seen.", labels=["device"])
@@ -321,7 +321,7 @@ def _device_families(runtime: ServingFacade) -> Iterable[Metric]:
     yield from (reserved, weights, peak, budget, used, total, paused, running, high, low, probe_errors, restarts)
 
 
-def _route_families(runtime: ServingFacade) -> Iterable[Metric]:
+def _route_families(runtime: Serving) -> Iterable[Metric]:
     """Each routed name's split, and its rollout's step and decisions."""
     weight = GaugeMetricFamily("model_router_route_weight", "A version's share of its model's requests, in percent.",
                                labels=["model", "version"])

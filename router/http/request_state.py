@@ -10,7 +10,7 @@ from litestar import Request
 from litestar.types import Scope
 
 from router.pipelines import PipelineRunner
-from router.serving.facade import ServingFacade
+from router.serving.facade import Serving
 from router.tracing.api import Phases, RequestSpan
 
 __all__ = ["mark_received", "note_error", "pipelines_of", "received_at", "request_phases", "request_trace", "runtime_of"]
@@ -18,9 +18,9 @@ __all__ = ["mark_received", "note_error", "pipelines_of", "received_at", "reques
 TRACE = "trace"
 
 
-def runtime_of(request: Request[Any, Any, Any]) -> ServingFacade:
+def runtime_of(request: Request[Any, Any, Any]) -> Serving:
     """The runtime behind the app that serves `request`."""
-    runtime: ServingFacade = request.app.state.runtime
+    runtime: Serving = request.app.state.runtime
     return runtime
 
 

@@ -16,7 +16,7 @@ from litestar import Litestar
 from router.config import ServerSettings
 from router.http.early import EarlyRefusals
 from router.http.protocol import HttpLimits, guarded_protocol
-from router.serving.facade import ServingFacade
+from router.serving.facade import Serving
 
 __all__ = ["DrainingServer", "run_server"]
 
@@ -27,7 +27,7 @@ class DrainingServer(uvicorn.Server):
     """First signal: refuse new requests (503), drain queued and running work, then exit.
     A second signal falls through to uvicorn's own handling."""
 
-    def __init__(self, config: uvicorn.Config, runtime: ServingFacade, drain_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, runtime: Serving, drain_timeout_s: float) -> None:
         super().__init__(config)
         self.runtime = runtime
         self.drain_timeout_s = drain_timeout_s
@@ -76,7 +76,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_task = asyncio.ensure_future(drain_then_exit())
 
 
-def run_server(app: Litestar, runtime: ServingFacade, settings: ServerSettings, *,
+def run_server(app: Litestar, runtime: Serving, settings: ServerSettings, *,
                sockets: list[socket.socket] | None = None, max_connections: int | None = None) -> None:
     """Serve `app` until a signal: HTTP/1.1 with the header, count and read-time limits of the
     settings (`router.http.protocol`), `max_connections` open connections (the longest-idle one

@@ -17,9 +17,8 @@ from router.inference_protocol.payloads import select_outputs, signature, to_pay
 from router.inference_protocol.request import InferRequest, RequestedOutput
 from router.logs import new_request_id, request_id_var
 from router.sdk.plugin import Payload
-from router.serving.facade import ServingFacade
+from router.serving.facade import Answer, Serving
 from router.serving.rules import Screened
-from router.serving.runtime import Answer
 from router.serving.snapshots import ModelInfo
 from router.tracing.api import Phases, RequestSpan
 
@@ -46,7 +45,7 @@ class Entry:
     submit: Callable[..., Awaitable[Any]]
 
     @classmethod
-    def model(cls, runtime: ServingFacade, name: str) -> Entry:
+    def model(cls, runtime: Serving, name: str) -> Entry:
         return cls(name, runtime.screen, runtime.submit)
 
 
@@ -58,7 +57,7 @@ class Ran:
     answers: list[Any]  # Answer, or a pipeline's answer: each has `output`
 
 
-async def run_request(entry: Entry | ServingFacade, model: ModelInfo, request: InferRequest, *, priority: int | None,
+async def run_request(entry: Entry | Serving, model: ModelInfo, request: InferRequest, *, priority: int | None,
                       timeout_ms: float | None, received_at: float | None,
                       placed: Callable[[], None] | None = None, traces: Sequence[Phases | None] | None = None) -> Ran:
     """Screen the whole request against the queue (before any item is queued), make its payloads
@@ -88,7 +87,7 @@ def item_traces(span: RequestSpan, trace: Phases, items: int) -> list[Phases | N
 
 
 async def submit_all(
-    runtime: ServingFacade, model: str, payloads: Sequence[Payload], priority: int | None, timeout_ms: float | None,
+    runtime: Serving, model: str, payloads: Sequence[Payload], priority: int | None, timeout_ms: float | None,
     arrived: float | None,
 ) -> list[Answer]:
     """Submit every item at once so they share the queue and the batcher; answers in item order.

@@ -15,7 +15,7 @@ from router.inference_protocol import repository
 from router.inference_protocol.submission import Entry
 from router.routing import VersionRouter
 from router.sdk.plugin import Payload
-from router.serving.facade import ServingFacade
+from router.serving.facade import Serving
 from router.serving.plan import PipelinePlan
 from router.serving.rules import Screened
 from router.serving.snapshots import ModelInfo
@@ -77,7 +77,7 @@ class Target:
                                          name=self.name, versions=self.versions)
 
 
-def find_target(runtime: ServingFacade, pipelines: Pipelines, name: str, version: str | None = None) -> Target:
+def find_target(runtime: Serving, pipelines: Pipelines, name: str, version: str | None = None) -> Target:
     """What `name` names; 404 for neither a model nor a pipeline (listing both) or a version it lacks."""
     versions = pipelines.versions
     if pipelines.serves(name):
@@ -102,7 +102,7 @@ def served_version(answers: Sequence[Any]) -> str:
     return split_name(model)[1] or repository.MODEL_VERSION
 
 
-def is_ready(runtime: ServingFacade, pipelines: Pipelines, name: str, version: str | None = None) -> bool:
+def is_ready(runtime: Serving, pipelines: Pipelines, name: str, version: str | None = None) -> bool:
     """Whether `name` serves; an unknown name or version is not ready (as tritonclient.http reads a 404),
     nor is any while a split host's engine is away."""
     try:
@@ -111,7 +111,7 @@ def is_ready(runtime: ServingFacade, pipelines: Pipelines, name: str, version: s
         return False
 
 
-def repository_index(runtime: ServingFacade, pipelines: Pipelines, *, ready_only: bool) -> list[repository.IndexEntry]:
+def repository_index(runtime: Serving, pipelines: Pipelines, *, ready_only: bool) -> list[repository.IndexEntry]:
     """Every model and then every pipeline (or the ready ones), with Triton's word for its state."""
     return repository.index_entries(runtime.models(), ready_only=ready_only,
                                     pipelines=[(p.name, p.serving, p.error) for p in pipelines.infos()])

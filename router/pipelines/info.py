@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.serving.facade import ServingFacade
+from router.serving.facade import Serving
 from router.serving.plan import PipelinePlan
 
 __all__ = ["PipelineInfo", "pipeline_info"]
@@ -34,7 +34,7 @@ class PipelineInfo:
                 "entry": self.entry, "requests": dict(self.requests)}
 
 
-def pipeline_info(plan: PipelinePlan, facade: ServingFacade, requests: Mapping[str, int]) -> PipelineInfo:
+def pipeline_info(plan: PipelinePlan, facade: Serving, requests: Mapping[str, int]) -> PipelineInfo:
     routes = facade.routes()  # a routed name's state is its stable version's
     models = {name: facade.model(routes[name].deployment(routes[name].stable) if name in routes else name)
               for name in plan.models}

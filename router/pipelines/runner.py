@@ -38,8 +38,7 @@ from router.routing import VersionRouter
 from router.sdk.images import decode_image
 from router.sdk.plugin import Payload
 from router.sdk.transforms import StepItem, Transform, Transformed
-from router.serving.facade import ServingFacade
-from router.serving.inflight import screening
+from router.serving.facade import Serving, screening
 from router.serving.plan import PipelinePlan
 from router.serving.rules import Screened
 from router.serving.snapshots import ModelInfo
@@ -85,7 +84,7 @@ class _Request:
 class PipelineRunner:
     """Runs the façade's pipelines; owns only their request counters and transform objects."""
 
-    def __init__(self, facade: ServingFacade, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, facade: Serving, *, clock: Callable[[], float] = time.monotonic,
                  transforms: TransformRegistry | None = None, versions: VersionRouter | None = None) -> None:
         self.facade = facade
         # Every model name a front serves goes through the version router (a pipeline's steps too):
@@ -143,7 +142,7 @@ class PipelineRunner:
 
     def screen(self, name: str, *, priority: int | None = None, timeout_ms: float | None = None,
                received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> Screened:
-        """What the first model would refuse before running anything (`ServingFacade.screen`): its
+        """What the first model would refuse before running anything (`Serving.screen`): its
         screen, which `run` takes on to the first step."""
         plan = self.plan(name)
         started = self.clock() if received_at is None else received_at

@@ -1,6 +1,6 @@
 """Shadow copies: a request's input run on another version in spare device capacity, compared, dropped.
 
-A copy is submitted as a shadow item (`ServingFacade.submit(..., shadow=True)`): the serving core
+A copy is submitted as a shadow item (`Serving.submit(..., shadow=True)`): the serving core
 admits it only while no real request waits on its device, refuses it first and never queues it
 ahead of one. Its answer never reaches the user, its failure is nobody's (it is counted apart, as
 the mirror's), and the user's answer never waits for it.
@@ -15,8 +15,7 @@ from typing import Any
 
 from router.routing.tally import Tallies
 from router.sdk.plugin import Payload
-from router.serving.facade import ServingFacade
-from router.serving.runtime import Answer
+from router.serving.facade import Answer, Serving
 from router.serving.versions import VersionRoute, split_name
 
 __all__ = ["Mirrors"]
@@ -27,7 +26,7 @@ log = logging.getLogger("router.routing.mirror")
 class Mirrors:
     """The shadow copies in flight in this process, and the comparison of each with its user's answer."""
 
-    def __init__(self, facade: ServingFacade, tallies: Tallies, clock: Callable[[], float]) -> None:
+    def __init__(self, facade: Serving, tallies: Tallies, clock: Callable[[], float]) -> None:
         self.facade = facade
         self.tallies = tallies
         self.clock = clock

@@ -16,7 +16,7 @@ routed name (a model with `versions:`) is routed per request:
 - a version other than the stable one that fails an item (a 5xx, its own timeout) has the item
   run on the stable version when the deadline leaves room: the user sees the stable answer;
 - every answer is tallied by version (outcome, latency, agreement) for the metrics and the
-  rollout that owns the route's weights (`ServingFacade.report_versions`).
+  rollout that owns the route's weights (`Serving.report_versions`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ from router.errors import DeadlineExceeded, ModelNotFound, Overloaded, RouterErr
 from router.routing.mirror import Mirrors
 from router.routing.tally import Tallies
 from router.sdk.plugin import Payload
-from router.serving.facade import ServingFacade
+from router.serving.facade import Answer, Serving
 from router.serving.rules import Screened
-from router.serving.runtime import Answer
 from router.serving.versions import VersionRoute, mirrors, pick, split_name
 from router.tracing.api import Phases
 
@@ -58,7 +57,7 @@ def is_version_fault(error: BaseException) -> bool:
 class VersionRouter:
     """Screens and submits a name's requests, routing a routed name's between its versions."""
 
-    def __init__(self, facade: ServingFacade, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, facade: Serving, *, clock: Callable[[], float] = time.monotonic,
                  draw: Callable[[], float] = random.random) -> None:
         self.facade = facade
         self.clock = clock

@@ -13,22 +13,28 @@ a dict) is cheaper to run in place. So each model's hooks are timed (a decaying 
 duration, wherever they ran), and an in-process hook whose mean is under `INLINE_BELOW_S` runs on
 the loop; one that gets dearer goes back to its pool at its next call. Image decoding
 (milliseconds) always stays on the pool.
+
+The checks around the hooks are here too: the body's media type on its way in
+(`check_media_type`) and the answer on its way out (`check_answer`). Each raises the RouterError
+that answers the request; neither has side effects.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from fnmatch import fnmatch
 from typing import Any, TypeVar
 
-from router.errors import DeadlineExceeded, ModelError, RouterError, undecodable
+from router.errors import DeadlineExceeded, ModelError, RouterError, UnsupportedMediaType, clip, undecodable
 from router.sdk.plugin import ModelPlugin, Payload
 from router.serving.isolation import RemotePlugin
 
-__all__ = ["INLINE_BELOW_S", "HookCost", "HookRunner"]
+__all__ = ["INLINE_BELOW_S", "HookCost", "HookRunner", "check_answer", "check_media_type"]
 
 log = logging.getLogger("router.serving.runtime")  # the request path's logger, as before these hooks moved here
 T = TypeVar("T")
@@ -37,6 +43,7 @@ INLINE_BELOW_S = 50e-6
 #: Calls timed on the pool before a hook may run inline.
 INLINE_AFTER_CALLS = 8
 DOING = {"preprocess": "preparing the input", "postprocess": "preparing the answer"}
+_JSON_SCALARS = (str, int, bool, type(None))
 
 
 class HookCost:
@@ -153,3 +160,52 @@ def _timed(cost: HookCost, fn: Callable[..., T], *args: Any) -> T:
     finally:
         cost.observe(time.perf_counter() - started)
 
+def check_media_type(model: str, accepts: Sequence[str], payload: Payload) -> None:
+    """415 for a media type the model's plugin does not accept."""
+    media = payload.media_type.split(";", 1)[0].strip().lower()
+    images = any(a.startswith("image/") for a in accepts)
+    if images and (payload.pixels is not None or media == "application/octet-stream"):
+        return  # decoded pixels, or bytes of unknown type: the plugin sniffs the real format
+    if not any(fnmatch(media, pattern) for pattern in accepts):
+        raise UnsupportedMediaType(
+            f"model {model!r} does not accept {clip(media, 80) or 'an empty media type'}; "
+            f"accepted: {', '.join(accepts)}"
+        )
+
+
+def check_answer(model: str, plugin: str, answer: Any) -> None:
+    """An answer must be plain JSON: a NaN or an object JSON cannot carry is the plugin's error
+    (500, naming plugin, hook and where in the answer), never a silent `null`."""
+    problem = _json_problem(answer, "answer")
+    if problem is not None:
+        raise ModelError(
+            f"model {model!r}: plugin {plugin!r} returned from postprocess {problem}"
+        )
+
+
+def _json_problem(value: Any, path: str, depth: int = 0) -> str | None:
+    if depth > 64:
+        return f"a value nested more than 64 levels deep at {path}"
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{value} at {path}, which JSON cannot carry"
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"text at {path} that is not Unicode (a lone surrogate)"
+        return None
+    if isinstance(value, _JSON_SCALARS):
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                return f"a non-string key {key!r} at {path}"
+            if (problem := _json_problem(item, f"{path}.{key}", depth + 1)) is not None:
+                return problem
+        return None
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            if (problem := _json_problem(item, f"{path}[{index}]", depth + 1)) is not None:
+                return problem
+        return None
+    return f"a {type(value).__name__} at {path}, which is not JSON (return str, int, float, bool, None, list or dict)"

@@ -1,12 +1,12 @@
-"""The runtime: the serving core's façade, usable without HTTP.
+"""`Runtime`: the serving core of one process, its devices and their schedulers.
 
-Callers use its verbs and read its snapshots: `screen` and `submit` on the request path,
-`models()`, `model()`, `devices()` and `ready` to look, `begin_drain`/`drain`, `start`/`stop`.
-Nothing outside `router.serving` touches the deployments, instances or schedulers behind it;
-the engine process of a split host (`router.host.engine`) uses the request path's lower verbs
-(`intake`, `until_serving`) for items that front processes prepared.
+It is the in-process implementation of `router.serving.facade.Core`: `Serving` above it handles
+every request the same way whatever the layout, and the engine process of a split host
+(`router.host.engine`) hosts one for its fronts, using the request path's lower verbs (`intake`,
+`until_serving`) for items that front processes prepared. Nothing outside `router.serving`
+touches the deployments, instances or schedulers behind it.
 
-`submit` is the whole life of one request in one process: the rules' commit
+`run` is the commit and the answer of one request in one process: the rules' commit
 (`router.serving.rules`), preprocess (`router.serving.hooks`), queue, wait for its batch (or its
 deadline), postprocess. Every accepted request is answered exactly once.
 """
@@ -19,25 +19,22 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from router.config import FleetConfig
 from router.errors import DeadlineExceeded, ShuttingDown
-from router.logs import new_request_id
 from router.scheduling.probes import MemoryProbe, make_probe
 from router.scheduling.queue import ModelQueue, Outcome, Refused, Served, Ticket, end_lease
 from router.scheduling.scheduler import DeviceScheduler
 from router.sdk.agreement import default_agreement
 from router.sdk.plugin import Payload, PluginContext
-from router.serving.checks import check_answer, check_media_type
 from router.serving.deployment import Deployment
 from router.serving.editor import FleetEditor, ReloadReport
+from router.serving.facade import Answer, Serving
 from router.serving.fleet_state import FleetState
-from router.serving.hooks import HookRunner
-from router.serving.inflight import InFlight, screening
+from router.serving.hooks import HookRunner, check_answer, check_media_type
 from router.serving.instance import ModelInstance
 from router.serving.intake import SHUTTING_DOWN, Accepted, Intake
 from router.serving.isolation import RemotePlugin
@@ -48,33 +45,22 @@ from router.serving.residency_executor import ResidencyExecutor, UnloadReport
 from router.serving.rollouts import Rollouts
 from router.serving.rules import Screened, Terms, budget_s, check_gate, has_room
 from router.serving.snapshots import DeviceInfo, ModelInfo, device_info, model_info
-from router.serving.telemetry import Telemetry, TelemetryFanout, mirrored
+from router.serving.telemetry import Telemetry, TelemetryFanout
 from router.serving.traffic import Observation, TrafficChange
+from router.serving.verbs import Verb
 from router.serving.versions import VersionRoute, deployment_name
-from router.tracing.api import Phases, Tracing, within_phase
+from router.tracing.api import Phases, Tracing
 
-__all__ = ["Answer", "Runtime"]
+__all__ = ["Runtime", "in_process"]
 
 log = logging.getLogger("router.serving.runtime")
 T = TypeVar("T")
+R = TypeVar("R")
 ProbeFactory = Callable[[str, str], "MemoryProbe | None"]
-#: `screen` leaves the wait prediction to `submit` for bodies announced at most this size.
-SCREEN_WAIT_MIN_BYTES = 64 * 1024
-
-
-@dataclass(frozen=True)
-class Answer:
-    request_id: str
-    model: str
-    output: Any
-    queue_wait_s: float
-    batch_size: int
-    execution_s: float
-    memory_delta_bytes: int | None = None
-    input_info: dict[str, Any] = field(default_factory=dict)
-
 
 class Runtime:
+    phase: ClassVar[str] = "admission"
+
     def __init__(
         self,
         plan: FleetPlan,
@@ -86,28 +72,34 @@ class Runtime:
         plugin_extra: dict[str, Any] | None = None,
         tracing: Tracing | None = None,
     ) -> None:
-        self.plan = plan
         self.tracing = tracing  # batch spans, made by the device schedulers
-        self.fleet: FleetConfig = plan.fleet
         self.clock = clock
         self.telemetry = TelemetryFanout()
         if telemetry is not None:
-            self.telemetry.sinks.append(telemetry)
+            self.telemetry.add(telemetry)
         self._probe_factory = probe_factory
         self.hooks = HookRunner(cpu_workers or os.cpu_count() or 1, clock=clock)
         self._state = FleetState()
         self.intake = Intake(self._state, clock)
-        self._inflight = InFlight()
         self._draining = False
         self._load_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._plugin_extra = dict(plugin_extra or {})
         self._residency = ResidencyExecutor(self._state, self.telemetry, self.clock)
-        for name in self.plan.models:
-            self._state.put(self._build(name, self.plan, 1))
+        for name in plan.models:
+            self._state.put(self._build(name, plan, 1))
         self._editor = FleetEditor(plan, self._state, self._residency, self._build, self.clock)
         self.rollouts = Rollouts(self._editor.set_traffic, lambda: (self._editor.plan.routes,
                                                                     self._editor.plan.fleet.routes), self.clock)
+
+    @property
+    def plan(self) -> FleetPlan:
+        """The fleet plan served now: the editor's, which every change replaces whole."""
+        return self._editor.plan
+
+    @property
+    def fleet(self) -> FleetConfig:
+        return self._editor.plan.fleet
 
     # -- construction and lifecycle ---------------------------------------------------------
 
@@ -126,7 +118,7 @@ class Runtime:
             instance = ModelInstance(
                 name, index, device, plugin,
                 execution_timeout_s=timeout_s,
-                on_batch=self.telemetry.observe_batch,
+                on_batch=self._observe_batch,
                 clock=self.clock,
                 generation=generation,
             )
@@ -134,6 +126,9 @@ class Runtime:
                 plugin.on_exit = partial(self._instance_exited, instance.key)
             deployment.instances.append(instance)
         return deployment
+
+    def _observe_batch(self, model: str, size: int, seconds: float) -> None:
+        self.telemetry.observe_batch(model, size, seconds)  # the sinks as they are when the batch ends
 
     def _instance_exited(self, key: str, why: str) -> None:
         """An instance's process died (told from its reader thread): the fleet fails and restarts it."""
@@ -165,10 +160,6 @@ class Runtime:
         self._load_task = asyncio.create_task(self.load_all(), name="load-models")
         await self.rollouts.start()
 
-    def add_telemetry(self, sink: Telemetry) -> None:
-        """Also report events (requests, queue waits, batches) to `sink`."""
-        self.telemetry.sinks.append(sink)
-
     # -- snapshots --------------------------------------------------------------------------
 
     def model_names(self) -> list[str]:
@@ -194,17 +185,15 @@ class Runtime:
         return infos
 
     @property
-    def in_flight(self) -> int:
-        """Requests inside `submit` now."""
-        return self._inflight.count
-
-    @property
     def deployments(self) -> Mapping[str, Deployment]:
         """The serving deployments, read-only: for the engine process that hosts this runtime (what
         its fronts need to know of each model), never for a front."""
         return self._state.deployments
 
-    # -- operators' changes ---------------------------------------------------------------------
+    # -- operators' changes: `call` runs each typed verb (`router.serving.verbs`) on these -----------
+
+    async def call(self, verb: Verb[R]) -> R:
+        return await verb.apply(self)
 
     async def load_model(self, name: str) -> ModelInfo:
         """Load a model now and keep it resident until an operator unloads it."""
@@ -322,24 +311,12 @@ class Runtime:
 
     def begin_drain(self) -> None:
         """From now on refuse new requests (503) and report not ready; queued work goes on."""
-        if not self._draining:
-            log.info("draining: new requests are refused; %d request(s) in flight", self._inflight.count)
         self._draining = True
         self.intake.closing = True
 
-    async def drain(self, timeout_s: float) -> None:
-        """Refuse new work, let queued and running work finish, then answer whatever is left with 503."""
-        self.begin_drain()
-        log.info("drain: waiting up to %.1fs for %d request(s)", timeout_s, self._inflight.count)
-        try:
-            await self._inflight.until_idle(timeout_s)
-        except TimeoutError:
-            log.warning("drain timeout: answering %d remaining request(s) with 503", len(self.intake.tickets))
-        self.intake.answer_all(ShuttingDown("server is shutting down"))
-        try:
-            await self._inflight.until_idle(5.0)
-        except TimeoutError:
-            log.error("%d request(s) still in flight after drain", self._inflight.count)
+    def answer_open(self, error: ShuttingDown) -> None:
+        """Answer every request still queued with `error`."""
+        self.intake.answer_all(error)
 
     async def stop(self) -> None:
         if self._load_task is not None and not self._load_task.done():
@@ -360,59 +337,22 @@ class Runtime:
 
     # -- the request path -------------------------------------------------------------------
 
-    def screen(
-        self, model: str, *, priority: int | None = None, timeout_ms: float | None = None,
-        received_at: float | None = None, items: int = 1, body_bytes: int | None = None,
-    ) -> Screened:
-        """The rules' screen: refuse, from the model name and the request's headers alone, what
-        `submit` would refuse before running anything (unknown model, bad header, shutting down,
-        model not serving, queue full, predicted to miss its deadline), so that the caller need not
-        read the body. With `items`, the queue must have room for all of them (else 413 if it never
-        can). A body announced as at most SCREEN_WAIT_MIN_BYTES costs less to read than the wait
-        prediction, which is left to the commit. Takes nothing: `submit` commits each item."""
-        deployment = self._state.get(model)
-        now = self.clock()
-        started = now if received_at is None else min(received_at, now)
-        gate = body_bytes is None or body_bytes > SCREEN_WAIT_MIN_BYTES
-        with screening(lambda outcome: self._count(deployment.name, outcome, started)):
-            return self.intake.screen(deployment, Terms(model, started, priority, timeout_ms, items), gate=gate)
+    def lookup(self, model: str) -> Deployment:
+        return self._state.get(model)
 
-    def _count(self, model: str, outcome: str, started: float) -> None:
+    def screen(self, model: Deployment, terms: Terms, *, gate: bool) -> Screened:
+        return self.intake.screen(model, terms, gate=gate)
+
+    def ended(self, model: str, outcome: str) -> None:
         deployment = self._state.deployments.get(model)
         if deployment is not None:
             deployment.outcomes[outcome] += 1
-        self.telemetry.observe_request(model, outcome, self.clock() - started)
 
-    async def submit(self, model: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
-                     request_id: str | None = None, received_at: float | None = None, trace: Phases | None = None,
-                     wait_for_room: bool = False, must_finish: bool = False, screened: Screened | None = None,
-                     shadow: bool = False) -> Answer:
-        """Run one input through a model. Raises a RouterError subclass on any failure.
-        `screened`: the request's screen (`screen`); here the commit decides on the live figures
-        of its moment all the same, so nothing of it is read again.
-        The deadline counts from `received_at` (the runtime's clock) when the caller knows it.
-        With `trace` (a sampled request's), each phase of the path is recorded there as it ends.
-        A pipeline's later steps ask for two things more: `wait_for_room`, a full queue is
-        waited on until the deadline (then 504, not run) instead of refused with 503; and
-        `must_finish`, an input predicted to be answered after its deadline is refused with 504
-        without running, even by an idle model (`router.serving.rules.check_gate`). `shadow`: a
-        mirrored copy (`router.routing.mirror`), admitted only into spare device capacity."""
-        deployment = self._state.get(model)
-        request_id = request_id or new_request_id()
-        started = self.clock() if received_at is None else min(received_at, self.clock())
-        terms = Terms(deployment.name, started, priority, timeout_ms, must_finish=must_finish, shadow=shadow)
-        if shadow:  # a mirrored copy: counted apart, never as a user's request
-            return await self._shadow(deployment, terms, payload, request_id)
-        with self._inflight.request(lambda outcome: self._count(deployment.name, outcome, started)):
-            work = self._admitted(deployment, terms, payload, request_id, trace, wait_for_room)
-            answer, deadline = await (work if trace is None else within_phase(trace, "admission", self.clock, work))
-            self.telemetry.observe_answer(deployment.name, self.clock() - started, deadline - started)
-            return answer
-
-    async def _shadow(self, deployment: Deployment, terms: Terms, payload: Payload, request_id: str) -> Answer:
-        with mirrored(self.telemetry, deployment.name), self._inflight.request(lambda outcome: None):
-            answer, _ = await self._admitted(deployment, terms, payload, request_id, None)
-            return answer
+    async def run(self, model: Deployment, terms: Terms, screened: Screened | None, payload: Payload,
+                  request_id: str, trace: Phases | None) -> tuple[Answer, float]:
+        """The commit decides on the live figures of its moment whatever the screen read, so
+        nothing of `screened` is read again."""
+        return await self._admitted(model, terms, payload, request_id, trace, terms.wait_for_room)
 
     async def _admitted(self, deployment: Deployment, terms: Terms, payload: Payload, request_id: str,
                         trace: Phases | None, wait_for_room: bool = False) -> tuple[Answer, float]:
@@ -555,3 +495,8 @@ def expired(accepted: Accepted) -> DeadlineExceeded:
     """The 504 of a request still queued at its deadline."""
     return DeadlineExceeded(f"deadline passed after {_budget_ms(accepted)} ms in the queue of model "
                             f"{accepted.admission.model!r}; the input was not run")
+
+
+def in_process(plan: FleetPlan, **kwargs: Any) -> Serving[Runtime]:
+    """One process: `Serving` over this process's runtime (`Runtime`'s keyword arguments)."""
+    return Serving(Runtime(plan, **kwargs))

@@ -58,10 +58,20 @@ class Telemetry(Protocol):
 
 
 class TelemetryFanout:
-    """Every event to every attached sink (none by default)."""
+    """Every event to every attached sink (none by default). With one sink, as in every server
+    process (its Prometheus metrics), the events go to it straight: `add` binds the sink's own
+    methods in place of the loops below."""
 
     def __init__(self) -> None:
-        self.sinks: list[Telemetry] = []
+        self.sinks: tuple[Telemetry, ...] = ()
+
+    def add(self, sink: Telemetry) -> None:
+        self.sinks = (*self.sinks, sink)
+        for event in EVENTS:
+            if len(self.sinks) == 1:
+                setattr(self, event, getattr(sink, event))
+            else:
+                self.__dict__.pop(event, None)  # the loop over every sink
 
     def observe_request(self, model: str, outcome: str, seconds: float) -> None:
         for sink in self.sinks:
@@ -94,3 +104,7 @@ class TelemetryFanout:
     def observe_mirror(self, model: str, outcome: str) -> None:
         for sink in self.sinks:
             sink.observe_mirror(model, outcome)
+
+
+#: The events of `Telemetry`, by method name.
+EVENTS = tuple(name for name in vars(Telemetry) if name.startswith("observe_"))

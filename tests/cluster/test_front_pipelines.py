@@ -17,6 +17,7 @@ from router.config import load_fleet
 from router.errors import DeadlineExceeded, InputError, RouterError
 from router.pipelines import PipelineRunner
 from router.sdk.plugin import Payload
+from router.serving.facade import Serving
 from router.serving.runtime import Runtime
 from tests.test_pipelines import fleet, jpeg
 from tests.test_runtime import make_runtime, running
@@ -62,8 +63,8 @@ async def test_a_clusters_front_runs_the_fleets_pipelines_through_its_replicas(t
     assert replica_fleet(config, "cpu").pipelines == {}  # a replica serves the steps as models
     async with running(make_runtime(tmp_path, text.replace(CLUSTER, ""))) as runtime:
         replica = InProcessReplica(runtime)
-        front = ClusterRuntime(config, replica)
-        await front.refresh()
+        front = Serving(ClusterRuntime(config, replica))
+        await front.core.refresh()
         runner = PipelineRunner(front)
         assert [p.name for p in front.pipelines()] == ["dc"] and runner.info("dc").state == "ready"
         answer = await runner.run("dc", jpeg(64, 48))
@@ -80,8 +81,8 @@ async def test_a_step_the_replica_cannot_finish_is_504_through_the_front(tmp_pat
     text = fleet(tmp_path / "r.jsonl", pixels="fixed_ms: 1500", timeout_ms=1000) + CLUSTER
     (tmp_path / "cluster.yaml").write_text(text, encoding="utf-8")
     async with running(make_runtime(tmp_path, text.replace(CLUSTER, ""))) as runtime:
-        front = ClusterRuntime(load_fleet(tmp_path / "cluster.yaml"), InProcessReplica(runtime))
-        await front.refresh()
+        front = Serving(ClusterRuntime(load_fleet(tmp_path / "cluster.yaml"), InProcessReplica(runtime)))
+        await front.core.refresh()
         with pytest.raises(DeadlineExceeded, match="step 2:pixels: model 'pixels' cannot answer before the deadline"):
             await PipelineRunner(front).run("dc", jpeg(64, 48))
     assert runtime.model("pixels").requests == {"deadline": 3}

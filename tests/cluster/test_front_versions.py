@@ -13,6 +13,7 @@ from router.cluster.layout import replica_fleet
 from router.config import load_fleet
 from router.pipelines import PipelineRunner
 from router.sdk.plugin import Payload
+from router.serving.facade import Serving
 from router.serving.traffic import TrafficChange
 from tests.cluster.test_front_pipelines import CLUSTER, InProcessReplica
 from tests.test_runtime import make_runtime, running
@@ -39,8 +40,8 @@ async def test_a_cluster_front_routes_a_model_s_versions_through_its_replicas(tm
     assert set(replica_fleet(config, "cpu").models) == {"m@1", "m@2"}  # a replica serves each version as a model
     async with running(make_runtime(tmp_path, FLEET)) as runtime:
         replica = InProcessReplica(runtime)
-        front = ClusterRuntime(config, replica)
-        await front.refresh()
+        front = Serving(ClusterRuntime(config, replica))
+        await front.core.refresh()
         versions = PipelineRunner(front).versions
         versions.draw = random.Random(3).random
         seen = Counter([(await versions.submit("m", ask(f"r{i}"))).model for i in range(200)])

@@ -12,7 +12,13 @@ import msgspec
 import pytest
 
 from router.host.messages import HEADER, Call, CallReply, Frames, FrontMessage, encode_frame
-from router.host.verbs import (
+from router.pipeline_config import PipelineConfig
+from router.serving.editor import ReloadReport
+from router.serving.plan import PipelinePlan
+from router.serving.residency_executor import UnloadReport
+from router.serving.snapshots import ModelInfo
+from router.serving.traffic import TrafficChange
+from router.serving.verbs import (
     AdminVerb,
     BeginDrain,
     DeleteModel,
@@ -29,12 +35,6 @@ from router.host.verbs import (
     pipeline_from_wire,
     pipeline_wire,
 )
-from router.pipeline_config import PipelineConfig
-from router.serving.editor import ReloadReport
-from router.serving.plan import PipelinePlan
-from router.serving.residency_executor import UnloadReport
-from router.serving.snapshots import ModelInfo
-from router.serving.traffic import TrafficChange
 from router.serving.versions import VersionRoute
 
 SECTION = {"plugin": "resnet", "options": {"weights": "r18.pt"}, "batch": {"max_size": 8}}

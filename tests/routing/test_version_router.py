@@ -19,7 +19,7 @@ from router.routing import VersionRouter
 from router.routing.versions import PRESSURE_S
 from router.sdk.plugin import Payload
 from router.serving.plan import load_plan
-from router.serving.runtime import Runtime
+from router.serving.runtime import Runtime, in_process
 from router.serving.traffic import TrafficChange
 
 #: Every answer within this bound: only a hang reaches it.
@@ -41,9 +41,9 @@ def fleet(one: str, two: str, extra: str = "") -> str:
 async def serving(tmp_path: Path, text: str) -> AsyncIterator[tuple[Runtime, VersionRouter]]:
     path = tmp_path / "fleet.yaml"
     path.write_text(text, encoding="utf-8")
-    runtime = Runtime(load_plan(path))
+    runtime = in_process(load_plan(path))
     await runtime.start()
-    await runtime.wait_loaded()
+    await runtime.core.wait_loaded()
     versions = PipelineRunner(runtime).versions
     versions.draw = random.Random(7).random  # the same routing every run
     try:

@@ -15,7 +15,7 @@ from prometheus_client.core import Metric
 from router import __version__
 from router.http.metrics import BATCH_BUCKETS, LATENCY_BUCKETS, RouterMetrics
 from router.pipelines import PipelineRunner
-from router.serving.facade import ServingFacade
+from router.serving.facade import Serving
 from router.serving.snapshots import DeviceInfo
 from router.serving.versions import split_name
 
@@ -26,7 +26,7 @@ RESIDENCY_FIELDS = ("residency",)
 _MODEL_FIELDS = ("name", "state", "error", "devices", "required", "requests")
 
 
-def fleet_state(runtime: ServingFacade, metrics: RouterMetrics, pipelines: PipelineRunner | None = None) -> dict[str, Any]:
+def fleet_state(runtime: Serving, metrics: RouterMetrics, pipelines: PipelineRunner | None = None) -> dict[str, Any]:
     """Devices, models, pipelines and cumulative histograms (of every process of a split host), at this moment."""
     latency = _buckets(metrics.family(metrics.answer_latency))
     queue_wait = _buckets(metrics.family(metrics.queue_wait))
@@ -62,7 +62,7 @@ def fleet_state(runtime: ServingFacade, metrics: RouterMetrics, pipelines: Pipel
     }
 
 
-def route_states(runtime: ServingFacade, metrics: RouterMetrics) -> list[dict[str, Any]]:
+def route_states(runtime: Serving, metrics: RouterMetrics) -> list[dict[str, Any]]:
     """Each model with versions: its split, stable and mirror versions, its rollout, and per version
     the answers by outcome, the agreement sums by the version compared with, and the shadow copies it
     ran by outcome (totals over every process: the page takes differences between polls)."""

@@ -1,16 +1,17 @@
-"""The admin verbs a front forwards to the engine, each one typed message (`Call` -> `CallReply`).
+"""The fleet calls, each one typed message: what `Serving` asks of its core's fleet.
 
-A front's admin routes (load, unload, PUT, DELETE, reload, versions, splits) and its drain reach
-the one runtime there is, in the engine. Each verb is declared once, here: its arguments (the
-struct's fields, tagged by its class name), what it returns (`Verb[R]`: the reply's result
-decodes as `R`) and how the engine runs it (`apply`). Results travel as msgpack of the same
-frozen snapshots the routes show.
+The admin routes (load, unload, PUT, DELETE, reload, versions, splits) and a drain reach the
+one runtime there is: in this process (`Runtime.call` applies the verb), or in the engine of a
+split host (a front sends it as `Call` and one `CallReply` answers it). Each verb is declared
+once, here: its arguments (the struct's fields, tagged by its class name), what it returns
+(`Verb[R]`: the reply's result decodes as `R`) and how the runtime runs it (`apply`). Results
+travel as msgpack of the same frozen snapshots the routes show.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar, get_args, get_origin
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, get_args, get_origin
 
 import msgspec
 
@@ -18,10 +19,12 @@ from router.pipeline_config import PipelineConfig
 from router.serving.editor import ReloadReport
 from router.serving.plan import PipelinePlan
 from router.serving.residency_executor import UnloadReport
-from router.serving.runtime import Runtime
 from router.serving.snapshots import ModelInfo
 from router.serving.traffic import TrafficChange
 from router.serving.versions import VersionRoute
+
+if TYPE_CHECKING:
+    from router.serving.runtime import Runtime
 
 __all__ = [
     "AdminVerb",
@@ -71,7 +74,7 @@ class Verb(msgspec.Struct, Generic[R], frozen=True, array_like=True, tag=True, g
                 cls.returns = get_args(base)[0]
 
     async def apply(self, runtime: Runtime) -> R:
-        """Run the verb on the engine's runtime."""
+        """Run the verb on the runtime that holds the fleet."""
         raise NotImplementedError
 
     def result(self, data: bytes) -> R:
