@@ -3,7 +3,7 @@
 `VirtualClockLoop.time()` starts at 0 and moves only when every task waits on a timer (a sleep, a
 timeout, a deadline, a batching delay) and no thread is working for the loop: it then jumps to the
 next timer. A test of timing logic is exact and takes no real time, on a busy machine as on an
-idle one. Give the code under test `loop.time` as its clock (`Runtime(plan, clock=loop.time)`).
+idle one. Give the code under test `loop.time` as its clock (`in_process(plan, clock=loop.time)`).
 
 Threads: work handed to the loop's `run_in_executor` (the runtime's CPU pool, each instance's
 thread) holds the clock still until it returns, except while it waits in `thread_sleep`, which
