@@ -3,7 +3,7 @@
 - `replica`: a Serve deployment whose every replica runs the router's `Runtime` for one device.
 - `controller`: the placement deployment: collects the replicas' reports, plans model copies.
 - `ray_router`: Ray's request router, ranking replicas by where a model is resident.
-- `front`: `ClusterRuntime`, the serving façade over the replicas, and the HTTP front replica.
+- `front`: `ClusterRuntime`, the core of the front's `Serving` over the replicas, and the HTTP front replica.
 - `app` and `commands`: the Serve application from a fleet file; deploy, status, shutdown.
 
 Only this package imports `ray` (an import-linter contract says so); `reports`, `routing` and

@@ -378,7 +378,7 @@ def create_app(
     tracing: Tracing | None = None,
     pipelines: PipelineRunner | None = None,
 ) -> Litestar:
-    """The Litestar app around a runtime (or any serving façade). The runtime starts in the lifespan
+    """The Litestar app around `Serving` (over any core). The runtime starts in the lifespan
     and loads models in the background, then the `listeners` start; they stop after the drain. The
     app owns `shared_memory` (the V2 regions its clients register; by default a fresh registry) and
     closes it at shutdown. `bound_metrics`: a registry already bound to the runtime, with collectors

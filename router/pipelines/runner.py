@@ -13,8 +13,8 @@ Traced (a `trace` path given, as to `submit`), the pipeline is one phase of that
 and each step a stage beside it (`RequestSteps`): every item a model step submits carries its own
 phases under its step's stage, linked to the batch it rode.
 
-It uses only the façade's verbs (`screen`, `submit`, `model`, `pipeline`), so it runs
-unchanged wherever the façade's implementation puts the queues. A request is screened once, at the
+It uses only `Serving`'s verbs (`screen`, `submit`, `model`, `pipeline`), so it runs
+unchanged wherever its core puts the queues. A request is screened once, at the
 door (the first model's screen); its first step is committed with that screen, each later step's
 item committed where its queue is, unscreened (it waits for room instead of being refused).
 """

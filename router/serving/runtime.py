@@ -54,9 +54,9 @@ from router.tracing.api import Phases, Tracing
 __all__ = ["Runtime", "in_process"]
 
 log = logging.getLogger("router.serving.runtime")
-T = TypeVar("T")
 R = TypeVar("R")
 ProbeFactory = Callable[[str, str], "MemoryProbe | None"]
+
 
 class Runtime:
     phase: ClassVar[str] = "admission"
