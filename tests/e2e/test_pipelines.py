@@ -272,6 +272,19 @@ def test_pipelines_change_at_run_time_and_keep_their_models(server: RouterProces
     assert predict(server, "best-box", "bus.jpg").status_code == 404
 
 
+def test_a_pipeline_change_shows_on_every_front_once_it_returns(server: RouterProcess) -> None:
+    """No front patches its copy of the fleet: a call returns once every front's snapshot shows it.
+    Each request below is a new connection, which the kernel hands to either front of a split host."""
+    statuses = []
+    for n in range(6):
+        name = f"classify-{n}"
+        put = httpx.put(f"{server.url}/pipelines/{name}", json={"steps": [{"model": "resnet18"}]}, timeout=60)
+        statuses.append((put.status_code, predict(server, name, "zidane.jpg").status_code))
+        deleted = httpx.delete(f"{server.url}/pipelines/{name}", timeout=60)
+        statuses.append((deleted.status_code, predict(server, name, "zidane.jpg").status_code))
+    assert statuses == [(201, 200), (200, 404)] * 6
+
+
 # -- one deadline, one door: scripted models -----------------------------------------------------------
 
 
