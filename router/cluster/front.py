@@ -250,7 +250,8 @@ class ClusterRuntime:
         elif isinstance(verb, SetTraffic):  # routed here, where the cluster's requests are (replicas serve every version)
             result = await self.rollouts.set_traffic(verb.name, verb.change)
         elif isinstance(verb, BeginDrain):
-            result = self.begin_drain()
+            self.begin_drain()
+            result = None
         else:
             raise InputError(_REDEPLOY)
         return result  # type: ignore[no-any-return]
