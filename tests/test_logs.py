@@ -10,6 +10,7 @@ import os
 import pty
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,7 +21,9 @@ from router.logs import (
     MAX_TRACEBACK_CHARS,
     JsonFormatter,
     TextFormatter,
+    configure_logging,
     formatter_for,
+    info_line,
     record_fields,
     request_id_var,
 )
@@ -113,3 +116,84 @@ def test_a_line_is_bounded_whatever_its_record_holds() -> None:
     fields = record_fields(record, JsonFormatter())
     assert fields["message"].startswith("header `hhh") and fields["message"].endswith("hhh` too long")
     assert len(fields["field"]) < MAX_FIELD_CHARS + 40 and fields["exception"].startswith("Traceback")
+
+
+@pytest.fixture
+def router_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[io.StringIO]:
+    """A buffer for the router's own logging (`configure_logging`, called in the test, once the
+    test's capture has set `sys.stderr`: this swaps it); the test's logging after."""
+    from router import logs
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    before = logs._listener, logs._handler, logs._role
+    stream = io.StringIO()
+    yield stream
+    if logs._listener is not None and logs._listener is not before[0]:
+        logs._listener.stop()
+    logs._listener, logs._handler, logs._role = before
+    root.handlers[:], root.level = handlers, level
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_an_access_line_without_a_record_reads_as_one_made_from_a_record(
+        fmt: str, router_logging: io.StringIO, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`info_line` hands the writer the line whole when the router's handler is the only one: the
+    same line as the record the standard call makes (the time aside), role included; no record made."""
+    from router import logs
+
+    monkeypatch.setattr(sys, "stderr", router_logging)
+    configure_logging("info", fmt, role="front 2")  # type: ignore[arg-type]
+    log = logging.getLogger("router.access")
+    made = []
+    real = logging.Logger.makeRecord
+    monkeypatch.setattr(logging.Logger, "makeRecord", lambda *a, **k: made.append(a) or real(*a, **k))
+    token = request_id_var.set("req-7")
+    try:
+        info_line(log, "request", ACCESS)
+        assert made == []
+        log.info("request", extra=ACCESS)
+        assert len(made) == 1
+    finally:
+        request_id_var.reset(token)
+    assert logs._listener is not None
+    logs._listener.stop()
+    direct, recorded = router_logging.getvalue().splitlines()
+    parse = json.loads if fmt == "json" else parse_text
+    first, second = parse(direct), parse(recorded)
+    assert first.pop("ts") and second.pop("ts")
+    assert first == second and first["role"] == "front 2" and first["request_id"] == "req-7"
+    assert first["message"] == "request" and first["model"] == "m"
+
+
+def test_an_access_line_reaches_every_other_handler_as_a_record(
+        router_logging: io.StringIO, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a handler of the user's (or a test's) on the way, the line is a record with the fields,
+    and the router's writer gets it too; a disabled logger writes nothing."""
+    from router import logs
+
+    monkeypatch.setattr(sys, "stderr", router_logging)
+    configure_logging("info", "json")
+    seen: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record)
+
+    log = logging.getLogger("router.access")
+    log.addHandler(keep := Keep())
+    try:
+        info_line(log, "request", ACCESS, request_id="req-8")
+    finally:
+        log.removeHandler(keep)
+    assert logs._listener is not None
+    logs._listener.stop()
+    (record,) = seen
+    assert record.getMessage() == "request" and record.status == 200 and record.request_id == "req-8"  # type: ignore[attr-defined]
+    assert json.loads(router_logging.getvalue())["request_id"] == "req-8"
+    log.disabled = True
+    try:
+        info_line(log, "request", ACCESS)
+    finally:
+        log.disabled = False
+    assert seen == [record]

@@ -8,6 +8,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from router.logs import info_line
+
 __all__ = ["access_line"]
 
 log = logging.getLogger("router.access")
@@ -28,7 +30,4 @@ def access_line(method: str | None, path: str, status: int, seconds: float,
     if match:
         line["model"] = match.group(1)[:64]
     line.update(fields or {})
-    if request_id is not None:
-        line["request_id"] = request_id
-    if log.isEnabledFor(logging.INFO):  # the record made directly: no search of the stack for the caller
-        log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, "request", (), None, extra=line))
+    info_line(log, "request", line, request_id)
