@@ -9,11 +9,12 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
+import msgspec
 from litestar import Litestar, MediaType, Request, Response, get, post
 from litestar.datastructures import UploadFile
 from litestar.enums import ScopeType
 from litestar.exceptions import ClientException, HTTPException, NotFoundException
-from litestar.openapi import OpenAPIConfig
+from litestar.openapi import OpenAPIConfig, ResponseSpec
 from litestar.params import FromPath
 from litestar.types import ASGIApp, HTTPScope, Message, Receive, ReceiveMessage, Scope, Send
 
@@ -30,7 +31,7 @@ from router.http.memory import BodyMemory
 from router.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.http.metrics import RouterMetrics
 from router.http.pipelines import PIPELINE_ROUTES, predict_pipeline
-from router.http.protocol import ANSWERED, SCREENED
+from router.http.protocol import ANSWERED, BODY_IN, SCREENED
 from router.http.request_state import TRACE, mark_received, note_error, pipelines_of, received_at, request_phases, runtime_of
 from router.http.ui import ui_router
 from router.http.versions import VERSION_ROUTES
@@ -104,8 +105,32 @@ def _is_json(media_type: str) -> bool:
 # -- handlers -------------------------------------------------------------------------------------
 
 
-@post("/models/{name:str}/predict", status_code=200, summary="Run one input through a model")
-async def predict(name: FromPath[str], request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+class _Answered:
+    """A predict's answer as its two ASGI messages, the JSON encoded once: what Litestar's
+    `Response` would send (status 200, `content-type`, `content-length`, `X-Model-Version`),
+    without building one per request. Litestar passes an ASGI app a handler returns through."""
+
+    __slots__ = ("body", "headers")
+
+    def __init__(self, document: dict[str, Any], version: str) -> None:
+        self.body = _JSON.encode(document)
+        self.headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(self.body)),
+                        (b"x-model-version", version.encode("latin-1"))]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        await send({"type": "http.response.body", "body": self.body, "more_body": False})
+
+
+_JSON = msgspec.json.Encoder()
+#: What the OpenAPI schema says of a predict's answer (the handler returns `_Answered`).
+_PREDICT_RESPONSES = {200: ResponseSpec(dict[str, Any], description="The model's answer, with its version, request "
+                                        "id and timing", generate_examples=False)}
+
+
+@post("/models/{name:str}/predict", status_code=200, summary="Run one input through a model",
+      responses=_PREDICT_RESPONSES)
+async def predict(name: FromPath[str], request: Request[Any, Any, Any]) -> ASGIApp:
     """Accepts a multipart field `file` or a raw `image/*` body. Headers: X-Timeout-Ms, X-Priority,
     X-Model-Version (a version of a model with versions), X-Route-Key (the same key, the same
     version). A pipeline's name runs the input through the pipeline (docs/pipelines.md)."""
@@ -113,14 +138,13 @@ async def predict(name: FromPath[str], request: Request[Any, Any, Any]) -> Respo
 
 
 @post("/models/{name:str}/versions/{version:str}/predict", status_code=200,
-      summary="Run one input through one version of a model")
-async def predict_version(name: FromPath[str], version: FromPath[str],
-                          request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+      summary="Run one input through one version of a model", responses=_PREDICT_RESPONSES)
+async def predict_version(name: FromPath[str], version: FromPath[str], request: Request[Any, Any, Any]) -> ASGIApp:
     """As /models/{name}/predict, on the version named in the path (docs/rollouts.md)."""
     return await _predict(name, version, request)
 
 
-async def _predict(name: str, version: str | None, request: Request[Any, Any, Any]) -> Response[dict[str, Any]]:
+async def _predict(name: str, version: str | None, request: Request[Any, Any, Any]) -> ASGIApp:
     pipelines = pipelines_of(request)
     versions = pipelines.versions
     trace = request_phases(request.scope, "receive")
@@ -149,7 +173,7 @@ async def _predict(name: str, version: str | None, request: Request[Any, Any, An
     payload = await _payload(request)
     request.scope["state"]["access"] = {"model": name, "input_bytes": len(payload.body)}
     answer = await run_unless_disconnected(
-        request.receive, versions.submit(name, payload, priority=priority, timeout_ms=timeout_ms,
+        request, versions.submit(name, payload, priority=priority, timeout_ms=timeout_ms,
                                          request_id=request_id_var.get(), received_at=received_at(request), trace=trace,
                                          screened=screened, version=version, route_key=route_key)
     )
@@ -162,7 +186,7 @@ async def _predict(name: str, version: str | None, request: Request[Any, Any, An
         execution_ms=round(answer.execution_s * 1000, 3), memory_delta_bytes=answer.memory_delta_bytes,
         **answer.input_info,
     )
-    return Response(
+    return _Answered(
         {
             "model": served_name,
             "version": served_version or MODEL_VERSION,
@@ -174,7 +198,7 @@ async def _predict(name: str, version: str | None, request: Request[Any, Any, An
                 "batch_size": answer.batch_size,
             },
         },
-        headers={"X-Model-Version": served_version or MODEL_VERSION},
+        served_version or MODEL_VERSION,
     )
 
 
@@ -285,7 +309,7 @@ def request_id_middleware(app: ASGIApp, *, body_timeout_s: float, memory: BodyMe
         if memory is not None:
             memory.in_flight += 1
         try:
-            await app(scope, _read_body_by(receive, body_timeout_s, memory), send_with_id)
+            await app(scope, _read_body_by(scope, receive, body_timeout_s, memory), send_with_id)
         finally:
             if memory is not None:
                 memory.in_flight -= 1
@@ -317,22 +341,27 @@ def _end_trace(scope: Scope, trace: RequestSpan, status: int, request_id: str) -
     trace.end(status or 499, time.monotonic(), scope.get("path_template"))
 
 
-def _read_body_by(receive: Receive, timeout_s: float, memory: BodyMemory | None) -> Receive:
+def _read_body_by(scope: Scope, receive: Receive, timeout_s: float, memory: BodyMemory | None) -> Receive:
     """`receive`, but the body must arrive within `timeout_s` (408 after that), and a client that
     disconnects while sending it answers 499 (ClientDisconnected) instead of an error. Once the
-    body is in, `receive` is passed through: the disconnect watcher waits on it."""
+    body is in, `receive` is passed through: the disconnect watcher waits on it. A body the
+    connection has whole already (`BODY_IN`) is read without a timer."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     reading = True
+    state = scope.get("state", {})
 
     async def timed_receive() -> ReceiveMessage:
         nonlocal reading
         if not reading:
             return await receive()
-        try:
-            async with asyncio.timeout_at(deadline):
-                message = await receive()
-        except TimeoutError:
-            raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+        if BODY_IN in state:
+            message = await receive()
+        else:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
         if message["type"] == "http.disconnect":
             raise ClientDisconnected("the client disconnected while sending the request body")
         if message["type"] == "http.request":

@@ -3,35 +3,49 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Final, TypeVar
 
+from litestar.connection import ASGIConnection
 from litestar.types import Receive
 
 from router.errors import ClientDisconnected
 
-__all__ = ["run_unless_disconnected"]
+__all__ = ["WATCH_LOSS", "Watch", "run_unless_disconnected"]
 
 T = TypeVar("T")
+#: `watch(callback, True)`: call `callback` once if the connection is lost (False: it is lost
+#: already); `watch(callback, False)`: not any more.
+Watch = Callable[[Callable[[], None], bool], bool]
+#: Where a request's scope state holds its connection's `Watch`, if the connection offers one.
+WATCH_LOSS: Final = "watch_loss"
 
 
-async def run_unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+async def run_unless_disconnected(request: ASGIConnection[Any, Any, Any, Any], work: Awaitable[T]) -> T:
     """Await `work`; if the client disconnects first, cancel it and raise ClientDisconnected (499,
     for the access log: the client's leaving is not the server's error). Call only after the
     request body has been read: `receive` then yields nothing but the disconnect. The work runs
-    in the caller's task (one task per request, the watcher's, not two)."""
+    in the caller's task. A connection that reports its own loss (`router.http.protocol`, under
+    `WATCH_LOSS` in the scope state) calls back when it is lost; elsewhere a task waits on
+    `receive` for the disconnect."""
     current = asyncio.current_task()
     assert current is not None
     state = {"gone": False, "finished": False}
 
-    def on_disconnect(done: asyncio.Task[None]) -> None:
-        if done.cancelled() or done.exception() is not None or state["finished"]:
-            return
-        state["gone"] = True
-        current.cancel()
+    def gone() -> None:
+        if not state["finished"]:
+            state["gone"] = True
+            current.cancel()
 
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
-    watcher.add_done_callback(on_disconnect)
+    watch: Watch | None = request.scope["state"].get(WATCH_LOSS)
+    watcher = None
+    if watch is None:
+        watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+        watcher.add_done_callback(lambda done: None if done.cancelled() or done.exception() is not None else gone())
+    elif not watch(gone, True):  # lost already
+        if isinstance(work, Coroutine):
+            work.close()
+        raise ClientDisconnected("the client disconnected before its answer")
     try:
         return await work
     except asyncio.CancelledError:
@@ -41,7 +55,11 @@ async def run_unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
         raise
     finally:
         state["finished"] = True
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
+        else:
+            assert watch is not None
+            watch(gone, False)
 
 
 async def _wait_disconnect(receive: Receive) -> None:

@@ -36,7 +36,7 @@ async def predict_pipeline(name: str, request: Request[Any, Any, Any], payload: 
     state = request.scope["state"]
     state["access"] = {"model": name, "pipeline": name, "input_bytes": len(payload.body)}
     answer = await run_unless_disconnected(
-        request.receive, runner.run(name, payload, priority=priority, timeout_ms=timeout_ms,
+        request, runner.run(name, payload, priority=priority, timeout_ms=timeout_ms,
                                     request_id=request_id_var.get(), received_at=received_at(request), trace=trace,
                                     screened=screened))
     if trace is not None:

@@ -48,8 +48,9 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from router.http.answers import error_body
 from router.http.connections import OpenConnections
+from router.http.disconnect import WATCH_LOSS
 
-__all__ = ["ANSWERED", "SCREENED", "EarlyAnswer", "HttpLimits", "Screen", "guarded_protocol"]
+__all__ = ["ANSWERED", "BODY_IN", "SCREENED", "EarlyAnswer", "HttpLimits", "Screen", "guarded_protocol"]
 
 log = logging.getLogger("router.access")
 LINGER_S = 2.0
@@ -83,6 +84,8 @@ class EarlyAnswer:
 
 #: Where the request's scope state holds what the screen made of a request it let through.
 SCREENED: Final = "screened"
+#: Set in the request's scope state once its whole body has arrived: reading it waits for nothing.
+BODY_IN: Final = "body_in"
 #: The status the connection answered a request with while the app held it (bad framing in its
 #: body): the scope state holds `ANSWERED: status`, for the app's access line.
 ANSWERED: Final = "answered_by_connection"
@@ -140,6 +143,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._over_limit = False  # opened over max_connections with no idle one to close
         self._peer_done = False  # the client half-closed after a complete request
         self._peer_check: asyncio.TimerHandle | None = None
+        self._on_lost: Callable[[], None] | None = None  # the running request's, while it waits for its answer
+        self._lost = False
+        self._watch = self._watch_loss  # bound once: each request's scope state gets it
 
     # -- the connection ---------------------------------------------------------------------------
 
@@ -161,6 +167,22 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._timer = self._linger = self._peer_check = None
         self.open_connections.closed(self)
         super().connection_lost(exc)
+        self._lost = True
+        lost, self._on_lost = self._on_lost, None
+        if lost is not None:
+            lost()
+
+    def _watch_loss(self, callback: Callable[[], None], on: bool) -> bool:
+        """The `Watch` of a request on this connection (`router.http.disconnect`): one callback at
+        a time, since the connection runs one request at a time."""
+        if not on:
+            if self._on_lost is callback:
+                self._on_lost = None
+            return True
+        if self._lost:
+            return False
+        self._on_lost = callback
+        return True
 
     def eof_received(self) -> bool | None:
         """The client sent its last byte: it half-closed, or closed and left. A request cut short
@@ -269,8 +291,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if isinstance(answer, EarlyAnswer):
             self._answer_early(answer, close=busy)
             return
+        state = self.scope["state"]
         if answer is not None:
-            self.scope["state"][SCREENED] = answer
+            state[SCREENED] = answer
+        state[WATCH_LOSS] = self._watch
         super().on_headers_complete()
         if self.cycle is not None and self.cycle.waiting_for_100_continue:
             self.cycle.__class__ = _ContinueCycle
@@ -287,6 +311,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._reading = "idle"
         self._in_trailers = False
         self._disarm()
+        self.scope["state"][BODY_IN] = True
         super().on_message_complete()
         self._settle()
 

@@ -63,6 +63,24 @@ def test_a_client_leaving_during_inference_is_499_not_an_error(server: RouterPro
     assert "CancelledError" not in server.log() and "Traceback" not in server.log()
 
 
+def test_a_client_leaving_while_queued_takes_its_input_out_of_the_queue(server: RouterProcess) -> None:
+    """The connection tells of its loss: the request waiting behind a busy instance is withdrawn at
+    once (the queue empties while the instance is still busy), and logged 499."""
+    head = (b"POST /models/slow/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"X-Request-ID: %s\r\nContent-Length: 11\r\n\r\n{\"id\": \"a\"}")
+    with server.connect() as first:
+        first.sendall(head % b"runs-first")
+        server.until_model("slow", lambda m: m["instances"][0]["busy"])
+        with server.connect() as queued:
+            queued.sendall(head % b"leaves-queued")
+            server.until_model("slow", lambda m: m["queue"]["depth"] == 1)
+        model = server.until_model("slow", lambda m: m["queue"]["depth"] == 0, timeout=1.0)
+        assert model["instances"][0]["busy"]  # withdrawn while the one before it still runs
+        assert [line["status"] for line in server.access_lines("leaves-queued")] == [499]
+        first.settimeout(10)
+        assert first.recv(64).startswith(b"HTTP/1.1 200")
+
+
 def test_a_client_leaving_mid_upload_is_499_not_500(server: RouterProcess) -> None:
     with server.connect() as sock:
         sock.sendall(b"POST /models/echo/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -99,7 +99,7 @@ async def infer(name: FromPath[str], request: Request[Any, Any, Any]) -> Respons
     body = _decompress(await request.body(), request.headers.get("content-encoding"), limit)
     regions = client_regions(request, limit)
     work = _decode_and_run(request, target, body, regions, trace)  # a client gone mid-decode stops it first
-    decoded, ran = await run_unless_disconnected(request.receive, work)
+    decoded, ran = await run_unless_disconnected(request, work)
     if trace is not None:
         trace.enter("respond")  # from the runtime's answer
     content, header_length = encode_response(name, decoded, ran.outputs, [answer.output for answer in ran.answers],
