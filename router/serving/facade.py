@@ -150,8 +150,11 @@ class Serving(Generic[C]):
         now = self.clock()
         started = now if received_at is None else min(received_at, now)
         gate = body_bytes is None or body_bytes > SCREEN_WAIT_MIN_BYTES
-        with screening(lambda outcome: self._ended(model, outcome, started)):
+        try:  # as `screening` does, written out: this runs for every request
             return self.core.screen(handle, Terms(model, started, priority, timeout_ms, items), gate=gate)
+        except RouterError as exc:
+            self._ended(model, outcome_of(exc), started)
+            raise
 
     async def submit(self, model: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
                      request_id: str | None = None, received_at: float | None = None, trace: Phases | None = None,
@@ -173,14 +176,27 @@ class Serving(Generic[C]):
         started = now if received_at is None else min(received_at, now)
         terms = Terms(model, started, priority, timeout_ms, must_finish=must_finish, wait_for_room=wait_for_room,
                       shadow=shadow)
-        if shadow:
-            with mirrored(self.telemetry, model), self._inflight.request(_uncounted):
-                return (await self.core.run(handle, terms, None, payload, request_id, None))[0]
-        with self._inflight.request(lambda outcome: self._ended(model, outcome, started)):
+        inflight = self._inflight
+        inflight.enter()
+        if shadow:  # counted by `mirrored`, never as a user's request
+            try:
+                with mirrored(self.telemetry, model):
+                    return (await self.core.run(handle, terms, None, payload, request_id, None))[0]
+            finally:
+                inflight.leave()
+        outcome = "error"  # "ok", the outcome of the RouterError or cancellation that ends it, or "error"
+        try:
             work = self.core.run(handle, terms, screened, payload, request_id, trace)
             answer, deadline = await (work if trace is None else within_phase(trace, self.core.phase, self.clock, work))
             self.telemetry.observe_answer(model, self.clock() - started, deadline - started)
+            outcome = "ok"
             return answer
+        except (RouterError, asyncio.CancelledError) as exc:
+            outcome = outcome_of(exc)
+            raise
+        finally:
+            inflight.leave()
+            self._ended(model, outcome, started)
 
     def _ended(self, model: str, outcome: str, started: float) -> None:
         self.core.ended(model, outcome)
@@ -329,14 +345,8 @@ class Serving(Generic[C]):
 SCREEN_WAIT_MIN_BYTES = 64 * 1024
 
 
-def _uncounted(outcome: str) -> None:
-    """A mirrored copy's outcome is counted by `mirrored`, never as a user's."""
-
-
-# Requests being answered: their count, the outcome each one ends with, and a wait for none. A
-# drain waits until none is in flight, and every request ends with exactly one outcome counted,
-# whether its screen refused it (`screening`) or it went on to be answered (`InFlight.request`).
-
+# Every request ends with exactly one outcome counted, whether its screen refused it (`screening`;
+# `Serving.screen` writes it out) or it went on to be answered (`Serving.submit`).
 
 
 @contextmanager
@@ -350,29 +360,21 @@ def screening(ended: Callable[[str], None]) -> Iterator[None]:
 
 
 class InFlight:
+    """Requests being answered: their count, and a wait for none (a drain's)."""
+
     def __init__(self) -> None:
         self.count = 0
         self._idle = asyncio.Event()
         self._idle.set()
 
-    @contextmanager
-    def request(self, ended: Callable[[str], None]) -> Iterator[None]:
-        """One request in flight for the block; then `ended(outcome)`: "ok", the outcome of the
-        RouterError or cancellation that left the block, or "error" for anything else."""
-        outcome = "error"
+    def enter(self) -> None:
         self.count += 1
         self._idle.clear()
-        try:
-            yield
-            outcome = "ok"
-        except (RouterError, asyncio.CancelledError) as exc:
-            outcome = outcome_of(exc)
-            raise
-        finally:
-            self.count -= 1
-            if self.count == 0:
-                self._idle.set()
-            ended(outcome)
+
+    def leave(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
 
     async def until_idle(self, timeout_s: float) -> None:
         """Return once no request is in flight; TimeoutError after `timeout_s`."""

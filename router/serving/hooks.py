@@ -22,6 +22,7 @@ that answers the request; neither has side effects.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -166,11 +167,18 @@ def check_media_type(model: str, accepts: Sequence[str], payload: Payload) -> No
     images = any(a.startswith("image/") for a in accepts)
     if images and (payload.pixels is not None or media == "application/octet-stream"):
         return  # decoded pixels, or bytes of unknown type: the plugin sniffs the real format
-    if not any(fnmatch(media, pattern) for pattern in accepts):
+    accepted = _accepted if len(media) <= 128 else _accepted.__wrapped__  # a long one is not kept
+    if not accepted(media, tuple(accepts)):
         raise UnsupportedMediaType(
             f"model {model!r} does not accept {clip(media, 80) or 'an empty media type'}; "
             f"accepted: {', '.join(accepts)}"
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _accepted(media: str, accepts: tuple[str, ...]) -> bool:
+    """Whether `media` matches one of the patterns; remembered for the few types clients send."""
+    return any(fnmatch(media, pattern) for pattern in accepts)
 
 
 def check_answer(model: str, plugin: str, answer: Any) -> None:
