@@ -10,6 +10,7 @@ import difflib
 import os
 import re
 from collections.abc import Iterable
+from functools import cached_property
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -98,7 +99,7 @@ class BatchPolicy(_Strict):
     max_size: int = Field(8, ge=1, le=4096)
     max_delay_ms: float = Field(5.0, ge=0, le=60_000)
 
-    @property
+    @cached_property  # read for every batch formed: computed once
     def max_delay_s(self) -> float:
         return self.max_delay_ms / 1000.0
 

@@ -174,8 +174,8 @@ async def _predict(name: str, version: str | None, request: Request[Any, Any, An
     request.scope["state"]["access"] = {"model": name, "input_bytes": len(payload.body)}
     answer = await run_unless_disconnected(
         request, versions.submit(name, payload, priority=priority, timeout_ms=timeout_ms,
-                                         request_id=request_id_var.get(), received_at=received_at(request), trace=trace,
-                                         screened=screened, version=version, route_key=route_key)
+                                 request_id=request_id_var.get(), received_at=received_at(request), trace=trace,
+                                 screened=screened, version=version, route_key=route_key)
     )
     if trace is not None:
         trace.enter("respond")  # from the runtime's answer

@@ -100,6 +100,7 @@ class DeviceScheduler:
     ) -> None:
         self.device = device
         self.config = config
+        self.batch_limit = config.concurrent_batch_limit(device)  # read for every batch: derived once
         self.probe = probe
         self.clock = clock
         self._tracing = tracing
@@ -208,7 +209,7 @@ class DeviceScheduler:
     def free_at(self, now: float) -> float:
         """When the device can next start a batch: now, unless its batch limit is reached; then
         the expected end of the first running batch."""
-        limit = self.config.concurrent_batch_limit(self.device)
+        limit = self.batch_limit
         if limit is None or self._active < limit or not self._ends:
             return now
         return max(now, min(self._ends.values()))
@@ -326,7 +327,7 @@ class DeviceScheduler:
             low_watermark=self.config.low_watermark,
             paused=self.paused,
             running_batches=self._active,
-            max_concurrent_batches=self.config.concurrent_batch_limit(self.device),
+            max_concurrent_batches=self.batch_limit,
             real_waiting=real_waiting,
         )
 
