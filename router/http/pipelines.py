@@ -37,8 +37,8 @@ async def predict_pipeline(name: str, request: Request[Any, Any, Any], payload: 
     state["access"] = {"model": name, "pipeline": name, "input_bytes": len(payload.body)}
     answer = await run_unless_disconnected(
         request, runner.run(name, payload, priority=priority, timeout_ms=timeout_ms,
-                                    request_id=request_id_var.get(), received_at=received_at(request), trace=trace,
-                                    screened=screened))
+                            request_id=request_id_var.get(), received_at=received_at(request), trace=trace,
+                            screened=screened))
     if trace is not None:
         trace.enter("respond")  # from the pipeline's answer
     state["access"].update(items=answer.items, steps={s.key: s.items for s in answer.steps},
