@@ -1,17 +1,26 @@
-"""Work cancelled when its HTTP client leaves: by the connection's own report of its loss, or,
-on a server without one, by a task that waits for the ASGI disconnect."""
+"""Work cancelled when its HTTP client leaves: by the connection's own report of its loss (which
+keeps no connection alive after its end), or, on a server without one, by a task that waits for
+the ASGI disconnect."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import socket
+import threading
+import time
+import weakref
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import uvicorn
 
 from router.errors import ClientDisconnected
 from router.http.disconnect import WATCH_LOSS, run_unless_disconnected
+from router.http.protocol import HttpLimits, guarded_protocol
+from tests.conftest import free_port
 
 
 def request(state: dict[str, Any], receive: Callable[[], Any] | None = None) -> Any:
@@ -70,3 +79,48 @@ async def test_a_shutdown_s_cancel_is_not_taken_for_the_client_leaving() -> None
     running.cancel()
     with pytest.raises(asyncio.CancelledError):
         await running
+
+
+def test_a_closed_connection_is_freed_without_the_cycle_collector() -> None:
+    """The scope a request leaves behind (and the body Litestar caches in it) goes with its
+    connection once that closes: the connection's watch holds no reference back to it, so
+    reference counting frees it, as uvicorn's own protocol is freed. Were it kept alive until a
+    full collection, a burst of large bodies would stay resident (tests/e2e/test_memory_after_bursts.py)."""
+    made: list[weakref.ref[Any]] = []
+
+    class Recorded(guarded_protocol(HttpLimits())):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        assert scope["state"][WATCH_LOSS] is not None
+        while (await receive()).get("more_body", False):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="off",
+                                           access_log=False, http=Recorded, ws="none"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    gc.disable()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"POST /x HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 5
+        while made and made[0]() is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(made) == 1 and made[0]() is None, "the closed connection is still referenced"
+    finally:
+        gc.enable()
+        server.should_exit = True
+        thread.join(10)

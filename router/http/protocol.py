@@ -115,6 +115,35 @@ class _ContinueCycle(RequestResponseCycle):
         await super().send(message)
 
 
+class _LossWatch:
+    """A connection's `Watch` (`router.http.disconnect`): it calls back the request waiting for its
+    answer once the connection is lost; one callback at a time, since the connection runs one
+    request at a time. It holds no reference to the connection: a scope that keeps it must not
+    keep the connection, and the body its state caches, alive past the connection's end."""
+
+    __slots__ = ("callback", "lost")
+
+    def __init__(self) -> None:
+        self.callback: Callable[[], None] | None = None
+        self.lost = False
+
+    def __call__(self, callback: Callable[[], None], on: bool) -> bool:
+        if not on:
+            if self.callback is callback:
+                self.callback = None
+            return True
+        if self.lost:
+            return False
+        self.callback = callback
+        return True
+
+    def fire(self) -> None:
+        self.lost = True
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
+
+
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     limits = HttpLimits()
     screen: Screen | None = None
@@ -143,9 +172,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._over_limit = False  # opened over max_connections with no idle one to close
         self._peer_done = False  # the client half-closed after a complete request
         self._peer_check: asyncio.TimerHandle | None = None
-        self._on_lost: Callable[[], None] | None = None  # the running request's, while it waits for its answer
-        self._lost = False
-        self._watch = self._watch_loss  # bound once: each request's scope state gets it
+        self._loss = _LossWatch()  # each request's scope state gets it (WATCH_LOSS)
 
     # -- the connection ---------------------------------------------------------------------------
 
@@ -167,22 +194,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._timer = self._linger = self._peer_check = None
         self.open_connections.closed(self)
         super().connection_lost(exc)
-        self._lost = True
-        lost, self._on_lost = self._on_lost, None
-        if lost is not None:
-            lost()
-
-    def _watch_loss(self, callback: Callable[[], None], on: bool) -> bool:
-        """The `Watch` of a request on this connection (`router.http.disconnect`): one callback at
-        a time, since the connection runs one request at a time."""
-        if not on:
-            if self._on_lost is callback:
-                self._on_lost = None
-            return True
-        if self._lost:
-            return False
-        self._on_lost = callback
-        return True
+        self._loss.fire()
 
     def eof_received(self) -> bool | None:
         """The client sent its last byte: it half-closed, or closed and left. A request cut short
@@ -294,7 +306,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         state = self.scope["state"]
         if answer is not None:
             state[SCREENED] = answer
-        state[WATCH_LOSS] = self._watch
+        state[WATCH_LOSS] = self._loss
         super().on_headers_complete()
         if self.cycle is not None and self.cycle.waiting_for_100_continue:
             self.cycle.__class__ = _ContinueCycle
