@@ -295,13 +295,14 @@ def configure_logging(level: str = "info", fmt: LogFormat = "auto", role: str | 
 def info_line(logger: logging.Logger, message: str, fields: Mapping[str, Any], request_id: str | None = None) -> None:
     """Log `message` at INFO with `fields`, as `logger.info(message, extra=fields)` would, with the
     request and trace ids of the context (or `request_id`). Where the router's own handler is the
-    only one the line reaches (`configure_logging`), the line goes to the writer whole, without a
-    `LogRecord` (making and filtering one cost a busy front a tenth of a request's CPU time);
-    anywhere else, as a record, for whatever handlers there are."""
+    only one the line reaches (`configure_logging`) and `logger` has no filter, the line goes to the
+    writer whole, without a `LogRecord` (making and filtering one cost a busy front a tenth of a
+    request's CPU time); anywhere else, as a record, for whatever handlers and filters there are."""
     if not logger.isEnabledFor(logging.INFO):
         return
     handler = _handler
-    if handler is not None and _only_handler(logger, handler) and all(isinstance(f, _Role) for f in handler.filters):
+    if (handler is not None and not logger.filters and _only_handler(logger, handler)
+            and all(isinstance(f, _Role) for f in handler.filters)):
         handler.queue.put_nowait(_Line(time.time(), logger.name, message, fields, request_id or request_id_var.get(),
                                        trace_id_var.get(), _role))
         return

@@ -197,3 +197,29 @@ def test_an_access_line_reaches_every_other_handler_as_a_record(
     finally:
         log.disabled = False
     assert seen == [record]
+
+
+def test_a_filter_on_the_access_logger_still_sees_every_line(
+        router_logging: io.StringIO, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operator's filter on `router.access` (leaving out health checks, say) decides as it would
+    for any record: the line it refuses is not written, the one it lets through is."""
+    from router import logs
+
+    monkeypatch.setattr(sys, "stderr", router_logging)
+    configure_logging("info", "json")
+
+    class NoHealth(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not str(getattr(record, "path", "")).startswith("/health")
+
+    log = logging.getLogger("router.access")
+    log.addFilter(keep := NoHealth())
+    try:
+        info_line(log, "request", {**ACCESS, "path": "/health/ready"})
+        info_line(log, "request", ACCESS)
+    finally:
+        log.removeFilter(keep)
+    assert logs._listener is not None
+    logs._listener.stop()
+    (line,) = router_logging.getvalue().splitlines()
+    assert json.loads(line)["path"] == ACCESS["path"]
