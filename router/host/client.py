@@ -88,6 +88,7 @@ class EngineClient:
         self._fleet = FrontModels()
         self._pipelines: dict[str, PipelinePlan] = {}  # as the engine last described them (`Models`)
         self._routes: dict[str, VersionRoute] = {}  # likewise
+        self._generation = 0  # the fleet's generation of the last `Models`
         self._observed: list[Observation] = []  # for the engine's rollouts, sent with the lags
         self._preparing: Counter[str] = Counter()  # requests prepared here, not yet sent
         self._exchanges = Exchanges(self.arena, clock)
@@ -161,11 +162,15 @@ class EngineClient:
             self._answers = None
         for model in self._fleet.models.values():
             model.prepared_generation = 0  # the new engine hands out front states anew
+        self._generation = 0  # and counts its fleet's generations from its start
 
     def _on_message(self, message: Any) -> None:
         if isinstance(message, Reply):
             self._exchanges.on_reply(message)
         elif isinstance(message, Models):
+            if message.generation < self._generation:
+                return  # an older fleet than the one this front holds
+            self._generation = message.generation
             for model in self._fleet.update(message.models):
                 self._spawn(self._fleet.adopt(model), f"adopt-{model.name}")
             wires = msgspec.msgpack.decode(message.pipelines) if message.pipelines else []

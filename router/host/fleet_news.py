@@ -77,7 +77,8 @@ class FleetNews:
                 fleet.allow_absolute_paths, bool(getattr(cls, "preprocess_needs_model", False)) or state == b"",
                 deployment.config.queue.timeout_ms, deployment.config.execution.timeout_ms, state or None))
         pipelines = msgspec.msgpack.encode([pipeline_wire(plan) for plan in self.runtime.pipelines()])
-        return Models(tuple(entries), pipelines, msgspec.msgpack.encode(list(self.runtime.routes().values())))
+        return Models(tuple(entries), pipelines, msgspec.msgpack.encode(list(self.runtime.routes().values())),
+                      self.runtime.generation)
 
     # -- Snapshot -------------------------------------------------------------------------------
 
@@ -96,8 +97,7 @@ class FleetNews:
         """What to send now: `Models` if the fleet or a front state changed, a `Snapshot` if a
         model's state, queue depth or running batches changed or half a second passed."""
         deployments = list(self.runtime.deployments.values())
-        models_key = (tuple((d.name, d.generation, self._front_state(d) is not None) for d in deployments),
-                      tuple(self.runtime.pipelines()), tuple(self.runtime.routes().values()))
+        models_key = (self.runtime.generation, tuple(self._front_state(d) is not None for d in deployments))
         models = None
         if models_key != self._sent_models:
             self._sent_models = models_key

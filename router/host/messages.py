@@ -163,9 +163,13 @@ class Welcome(_Message):
 
 
 class Models(_Message):
+    """The fleet as a front needs it, whole: a front swaps its copy for this one, unless it
+    already holds a later generation of the fleet (`FleetState.generation`)."""
+
     models: tuple[ModelEntry, ...]
     pipelines: bytes = b""  # the pipelines served (msgpack, `router.serving.verbs.pipeline_wire` each)
     routes: bytes = b""  # the routed names' routes (msgpack of `VersionRoute`s)
+    generation: int = 0  # the fleet's generation this describes
 
 
 class Reply(_Message):

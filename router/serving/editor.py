@@ -39,7 +39,7 @@ from router.config import FleetConfig, ModelConfig, RouteConfig, config_error, f
 from router.errors import ConfigError, Conflict, ModelDoesNotFit, ModelNotFound, ModelUnavailable, brief
 from router.scheduling.queue import reject
 from router.serving.deployment import Deployment
-from router.serving.fleet_state import FleetState
+from router.serving.fleet_state import FleetState, Forget, Replan, Serve, Stage, Withdraw
 from router.serving.instance import InstanceState
 from router.serving.loading import load_instance
 from router.serving.plan import (
@@ -80,25 +80,32 @@ class ReloadReport:
 
 
 class FleetEditor:
-    """The fleet editor: the admin verbs. They change the fleet (through `FleetState`'s methods)
-    and drive the residency executor."""
+    """The fleet editor: the admin verbs. Each changes the fleet as a few `FleetChange`s given to
+    `FleetState.apply` (stage the new deployment, serve it, forget the old one once it drained),
+    with the loads and drains between them, and drives the residency executor."""
 
     def __init__(
         self,
-        plan: FleetPlan,
         fleet: FleetState,
         residency: ResidencyExecutor,
         build: Builder,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.plan = plan
         self._fleet = fleet
         self._residency = residency
         self._build = build
         self._clock = clock
         self._lock = asyncio.Lock()
         self._generations = {d.name: d.generation for d in fleet}
-        self._route_generations = {name: route.generation for name, route in plan.routes.items()}
+        self._route_generations = {name: route.generation for name, route in fleet.plan.routes.items()}
+
+    @property
+    def plan(self) -> FleetPlan:
+        """The plan served now; every change gives the fleet state a new one, whole (`Replan`)."""
+        return self._fleet.plan
+
+    def _replan(self, plan: FleetPlan) -> None:
+        self._fleet.apply(Replan(plan))
 
     def _deployment(self, name: str) -> Deployment:
         return self._fleet.get(name)
@@ -205,10 +212,10 @@ class FleetEditor:
 
     async def _remove(self, model: str, why: str) -> None:
         """Stop serving one model (new requests get 404), answer what it accepted, unload it."""
-        deployment = self._fleet.remove(model)
-        self.plan = replace(self.plan, models={k: v for k, v in self.plan.models.items() if k != model},
-                            fleet=self.plan.fleet.model_copy(update={"models": {
-                                k: v for k, v in self.plan.fleet.models.items() if k != model}}))
+        deployment = self._deployment(model)
+        self._fleet.apply(Withdraw(model, replace(
+            self.plan, models={k: v for k, v in self.plan.models.items() if k != model},
+            fleet=self.plan.fleet.model_copy(update={"models": {k: v for k, v in self.plan.fleet.models.items() if k != model}}))))
         await self._retire(deployment, "removed", why)
 
     async def _drop_route(self, name: str, why: str) -> list[str]:
@@ -235,7 +242,7 @@ class FleetEditor:
             pipelines = resolve_pipelines(fleet, self.plan.models, pipeline_transforms(fleet), source)
             current = self.plan.pipelines.get(name)
             outcome = "added" if current is None else "unchanged" if current.config == fleet.pipelines[name] else "changed"
-            self.plan = replace(self.plan, fleet=fleet, pipelines=pipelines)
+            self._replan(replace(self.plan, fleet=fleet, pipelines=pipelines))
             log.info("pipeline %s %s", name, outcome, extra={"pipeline": name})
             return outcome, pipelines[name]
 
@@ -252,7 +259,7 @@ class FleetEditor:
 
     def _set_pipelines(self, pipelines: dict[str, PipelinePlan]) -> None:
         fleet = self.plan.fleet.model_copy(update={"pipelines": {k: p.config for k, p in pipelines.items()}})
-        self.plan = replace(self.plan, fleet=fleet, pipelines=pipelines)
+        self._replan(replace(self.plan, fleet=fleet, pipelines=pipelines))
 
     def _reload_pipelines(self, target: FleetPlan, report: ReloadReport) -> None:
         """The file's pipelines whose models all serve; the others are reported, not served."""
@@ -407,7 +414,7 @@ class FleetEditor:
             self._route_generations[name] = generation
             routes[name] = config
             served[name] = version_route(name, config, generation)
-        self.plan = replace(self.plan, fleet=self.plan.fleet.model_copy(update={"routes": routes}), routes=served)
+        self._replan(replace(self.plan, fleet=self.plan.fleet.model_copy(update={"routes": routes}), routes=served))
 
     # -- the fleet file ---------------------------------------------------------------------------
 
@@ -420,7 +427,7 @@ class FleetEditor:
             self._set_pipelines({k: v for k, v in self.plan.pipelines.items() if k in target.pipelines})
             report.pipelines.update((name, "removed") for name in gone)
             await self._reload_removals(target, report)
-            self.plan = replace(self.plan, source=target.source)
+            self._replan(replace(self.plan, source=target.source))
             for name in target.models:
                 if split_name(name)[0] in target.fleet.routes:
                     continue  # a version: with its route, below
@@ -510,14 +517,13 @@ class FleetEditor:
         if current is not None and current.config == plan.fleet.models[name] and current.options == wanted.options:
             return "unchanged"
         before = self.plan
-        self.plan = replace(self.plan, fleet=self.plan.fleet.model_copy(update={"models": {
-            **self.plan.fleet.models, name: plan.fleet.models[name]}}), models={**self.plan.models, name: wanted})
+        self._replan(replace(self.plan, fleet=self.plan.fleet.model_copy(update={"models": {
+            **self.plan.fleet.models, name: plan.fleet.models[name]}}), models={**self.plan.models, name: wanted}))
         generation = self._generations.get(name, 0) + 1
         self._generations[name] = generation
         new = self._build(name, self.plan, generation)
-        self._fleet.attach(new)
         if current is None:
-            self._fleet.put(new)
+            self._fleet.apply(Serve(new))
             if not new.on_demand:
                 try:
                     await self._load(new)
@@ -533,30 +539,29 @@ class FleetEditor:
 
     async def _withdraw_added(self, new: Deployment, before: FleetPlan) -> None:
         """Take back a model just added whose load failed: the fleet is as it was before."""
-        self._fleet.remove(new.name)
-        self.plan = before
+        self._fleet.apply(Withdraw(new.name, before))
         await self._unload(new, "removed", "not added: its load failed")
-        self._fleet.detach(new)
+        self._fleet.apply(Forget(new))
         log.error("model %s not added: its load failed (%s)", new.name, new.error, extra={"model": new.name})
 
     async def _replace(self, old: Deployment, new: Deployment) -> None:
         """Swap in a new version with no request failing; fall back to the old one on failure."""
-        self._fleet.retire(old)
+        self._fleet.apply(Stage(new))
         if any(i.loaded for i in old.instances) and not new.on_demand:
             beside = await self._load_beside(new)
             if beside is True:
-                self._fleet.put(new)
+                self._fleet.apply(Serve(new))
                 await self._retire(old, "replaced", "replaced by a new version")
                 return
             if beside is not None:  # the new version failed; the old one never stopped serving
-                self._fleet.detach(new)
+                self._fleet.apply(Forget(new))
                 raise ModelUnavailable(f"the new version of model {new.name!r} failed to load ({beside}); "
                                        "the old version keeps serving")
         # No room beside the old version (or nothing to keep warm): the old one finishes and goes first.
-        self._fleet.put(new)
-        await self._retire(old, "replaced", "replaced by a new version", detach=False)
+        self._fleet.apply(Serve(new))
+        await self._retire(old, "replaced", "replaced by a new version", forget=False)
         if new.on_demand:
-            self._fleet.detach(old)
+            self._fleet.apply(Forget(old))
             return
         try:
             await self._load(new)
@@ -564,14 +569,14 @@ class FleetEditor:
         except Exception as exc:
             log.error("model %s: the new version failed to load (%s); bringing the old one back", new.name, exc,
                       extra={"model": new.name})
-            self._fleet.put(old)
-            self._fleet.detach(new)
+            self._fleet.apply(Serve(old))
+            self._fleet.apply(Forget(new))
             old.residency.allow_loads()
             await self._load(old)
             old.residency.let_go()
             raise ModelUnavailable(f"the new version of model {new.name!r} failed to load ({exc}); "
                                    "the old version serves again") from exc
-        self._fleet.detach(old)
+        self._fleet.apply(Forget(old))
 
     async def _load_beside(self, new: Deployment) -> bool | str | None:
         """Load the new version's instances while the old one serves. True when done, None when
@@ -588,15 +593,15 @@ class FleetEditor:
             return instance.error or "load failed"
         return True
 
-    async def _retire(self, deployment: Deployment, kind: str, why: str, *, detach: bool = True) -> None:
-        """Let a model that no longer takes requests answer what it accepted, then unload it."""
-        self._fleet.retire(deployment)
+    async def _retire(self, deployment: Deployment, kind: str, why: str, *, forget: bool = True) -> None:
+        """Let a model that no longer takes requests (withdrawn or replaced) answer what it
+        accepted, then unload it; with `forget`, it leaves the fleet for good."""
         limit = self._clock() + (deployment.config.queue.timeout_ms + deployment.config.execution.timeout_ms) / 1000
         while deployment.residency.holders > 0 and self._clock() < limit:
             await asyncio.sleep(POLL_S)
         await self._unload(deployment, kind, why)
-        if detach:
-            self._fleet.detach(deployment)
+        if forget:
+            self._fleet.apply(Forget(deployment))
 
 
 def _route_lines(error: RouteProblems | ValidationError, source: str, name: str) -> list[str]:

@@ -33,7 +33,7 @@ from router.sdk.plugin import Payload, PluginContext
 from router.serving.deployment import Deployment
 from router.serving.editor import FleetEditor, ReloadReport
 from router.serving.facade import Answer, Serving
-from router.serving.fleet_state import FleetState
+from router.serving.fleet_state import FleetState, Serve, Stage
 from router.serving.hooks import HookRunner, check_answer, check_media_type
 from router.serving.instance import ModelInstance
 from router.serving.intake import SHUTTING_DOWN, Accepted, Intake
@@ -79,7 +79,7 @@ class Runtime:
             self.telemetry.add(telemetry)
         self._probe_factory = probe_factory
         self.hooks = HookRunner(cpu_workers or os.cpu_count() or 1, clock=clock)
-        self._state = FleetState()
+        self._state = FleetState(plan)
         self.intake = Intake(self._state, clock)
         self._draining = False
         self._load_task: asyncio.Task[None] | None = None
@@ -87,19 +87,19 @@ class Runtime:
         self._plugin_extra = dict(plugin_extra or {})
         self._residency = ResidencyExecutor(self._state, self.telemetry, self.clock)
         for name in plan.models:
-            self._state.put(self._build(name, plan, 1))
-        self._editor = FleetEditor(plan, self._state, self._residency, self._build, self.clock)
-        self.rollouts = Rollouts(self._editor.set_traffic, lambda: (self._editor.plan.routes,
-                                                                    self._editor.plan.fleet.routes), self.clock)
+            self._state.apply(Serve(self._build(name, plan, 1)))
+        self._editor = FleetEditor(self._state, self._residency, self._build, self.clock)
+        self.rollouts = Rollouts(self._editor.set_traffic, lambda: (self._state.plan.routes,
+                                                                    self._state.plan.fleet.routes), self.clock)
 
     @property
     def plan(self) -> FleetPlan:
-        """The fleet plan served now: the editor's, which every change replaces whole."""
-        return self._editor.plan
+        """The fleet plan served now, which every change replaces whole."""
+        return self._state.plan
 
     @property
     def fleet(self) -> FleetConfig:
-        return self._editor.plan.fleet
+        return self._state.plan.fleet
 
     # -- construction and lifecycle ---------------------------------------------------------
 
@@ -156,7 +156,7 @@ class Runtime:
             scheduler.set_actions(self._residency)
             scheduler.start()
         for deployment in self._state:
-            self._state.attach(deployment)
+            self._state.apply(Stage(deployment))
         self._load_task = asyncio.create_task(self.load_all(), name="load-models")
         await self.rollouts.start()
 
@@ -183,6 +183,11 @@ class Runtime:
         infos = [device_info(s) for s in self._state.schedulers.values()]
         infos += [DeviceInfo(name, available=False, error=error) for name, error in self._state.device_errors.items()]
         return infos
+
+    @property
+    def generation(self) -> int:
+        """The fleet's generation: every change to the plan or to what serves advances it."""
+        return self._state.generation
 
     @property
     def deployments(self) -> Mapping[str, Deployment]:
@@ -214,7 +219,7 @@ class Runtime:
         """Add or change a model from its fleet-file section: (added | changed | unchanged, its snapshot)."""
         self._check_open()
         outcome = await self._editor.put(name, section, f"{source}/{name}")
-        route = self._editor.plan.routes.get(name)  # a model with versions: its stable version's snapshot
+        route = self._state.plan.routes.get(name)  # a model with versions: its stable version's snapshot
         return outcome, self.model(route.deployment(route.stable) if route is not None else name)
 
     async def delete_model(self, name: str) -> None:
@@ -224,16 +229,16 @@ class Runtime:
     async def reload(self, path: Path | None = None) -> ReloadReport:
         """Re-read the fleet file (the one served, unless `path`) and apply the difference."""
         self._check_open()
-        report = await self._editor.reload(path or Path(self._editor.plan.source))
+        report = await self._editor.reload(path or Path(self._state.plan.source))
         await self.rollouts.start()
         return report
 
     def pipelines(self) -> list[PipelinePlan]:
         """The pipelines served now (their runner, a front, reads them here: they change at run time)."""
-        return list(self._editor.plan.pipelines.values())
+        return list(self._state.plan.pipelines.values())
 
     def pipeline(self, name: str) -> PipelinePlan | None:
-        return self._editor.plan.pipelines.get(name)
+        return self._state.plan.pipelines.get(name)
 
     async def put_pipeline(self, name: str, section: Mapping[str, Any],
                            source: str = "PUT /pipelines") -> tuple[str, PipelinePlan]:
@@ -249,7 +254,7 @@ class Runtime:
 
     def routes(self) -> Mapping[str, VersionRoute]:
         """The routed names (models with versions) and their routes now."""
-        return self._editor.plan.routes
+        return self._state.plan.routes
 
     async def put_version(self, name: str, version: str, section: Mapping[str, Any],
                           source: str = "PUT /models") -> tuple[str, ModelInfo]:
