@@ -321,10 +321,14 @@ def _split_memory(memory: Mapping[str, Any] | None) -> list[str]:
     """RSS by process role of the default fleet's split host, once ready."""
     if not memory:
         return []
-    rows = [[role, _num(mb), "yes" if role in memory["maps_torch"] else "no"] for role, mb in memory["rss_mb"].items()]
-    return [(f"Memory: the default fleet ({memory['fleet']}) with workers {_num(memory['workers'])}, each process's RSS"
-             " once every process is ready and both models have answered through the fronts."), "",
-            *_table(["process", "RSS MB", "maps torch"], rows)]
+    own = memory.get("own_mb", {})
+    rows = [[role, _num(mb), _num(own.get(role, {}).get("uss")), _num(own.get(role, {}).get("pss")),
+             "yes" if role in memory["maps_torch"] else "no"] for role, mb in memory["rss_mb"].items()]
+    return [(f"Memory: the default fleet ({memory['fleet']}) with workers {_num(memory['workers'])}, each process's"
+             " memory once every process is ready and both models have answered through the fronts. RSS counts the"
+             " pages of a shared library (torch's, CUDA's) whole in every process that maps it; USS is what the"
+             " process alone holds (what one more front adds to the host), PSS its share of everything it maps."), "",
+            *_table(["process", "RSS MB", "USS MB", "PSS MB", "maps torch"], rows)]
 
 
 def _page(results: Mapping[str, Any]) -> list[str]:

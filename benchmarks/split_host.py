@@ -112,6 +112,20 @@ def rss_by_role(pids: dict[int, str]) -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def own_memory_by_role(pids: dict[int, str]) -> dict[str, dict[str, int]]:
+    """Each process's own memory, in MB, by its role: USS (the pages only it maps: what it adds to
+    the host) and PSS (every page it maps, shared pages divided among the processes that map them).
+    RSS counts a shared library's pages whole in every process that maps it; these do not."""
+    out = {}
+    for pid, role in pids.items():
+        try:
+            full = psutil.Process(pid).memory_full_info()
+        except psutil.Error:
+            continue
+        out[role] = {"uss": full.uss >> 20, "pss": full.pss >> 20}
+    return dict(sorted(out.items()))
+
+
 def maps_torch(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/maps", encoding="utf-8") as maps:
@@ -199,9 +213,10 @@ def memory_by_role(store: Path, scratch: Path, workers: int = 2, answers: int = 
                     response.read()
         tree = roles(psutil.Process(server.process.pid), "router")
         rss_mb = rss_by_role(tree)
+        own_mb = own_memory_by_role(tree)
         torch_in = sorted(role for pid, role in tree.items() if maps_torch(pid))
     front_mb = [mb for role, mb in rss_mb.items() if role.startswith("front")]
-    return {"fleet": "config/fleet.yaml", "workers": workers, "rss_mb": rss_mb, "maps_torch": torch_in,
+    return {"fleet": "config/fleet.yaml", "workers": workers, "rss_mb": rss_mb, "own_mb": own_mb, "maps_torch": torch_in,
             "targets": {f"parent RSS < {PARENT_RSS_TARGET_MB} MB": rss_mb.get("parent", 1 << 30) < PARENT_RSS_TARGET_MB,
                         "each front's RSS < half the engine's": bool(front_mb) and
                         max(front_mb) < rss_mb.get("engine", 0) / 2}}

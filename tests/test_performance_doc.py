@@ -118,8 +118,10 @@ def test_the_split_host_section_states_each_processs_memory() -> None:
     split = json.loads((RESULTS.parent / "split_host.json").read_text(encoding="utf-8"))
     split["fast"]["contenders"]["router 2"]["median_run"]["rss_mb"] = {"engine": 310, "front 1": 95, "parent": 41}
     split["memory"] = {"fleet": "config/fleet.yaml", "workers": 2, "maps_torch": ["engine", "front 1"],
-                       "rss_mb": {"engine": 1324, "front 1": 790, "parent": 41}}
+                       "rss_mb": {"engine": 1324, "front 1": 790, "parent": 41},
+                       "own_mb": {"engine": {"uss": 870, "pss": 1010}, "front 1": {"uss": 330, "pss": 470}}}
     page = render({**small_results(), "scenarios": {"split": split}})
     assert " | engine 310, front 1 95, parent 41 |\n" in page
     assert "the default fleet (config/fleet.yaml) with workers 2" in page
-    assert "| engine | 1324 | yes |\n| front 1 | 790 | yes |\n| parent | 41 | no |" in page
+    assert ("| engine | 1324 | 870 | 1010 | yes |\n| front 1 | 790 | 330 | 470 | yes |\n"
+            "| parent | 41 | – | – | no |") in page  # a run that did not read a process's own memory: a dash
