@@ -29,7 +29,7 @@ from router.errors import InputError, ModelNotFound, ModelUnavailable, PayloadTo
 from router.host.client import EngineClient
 from router.host.handover import write_settings
 from router.sdk.plugin import Payload
-from router.serving.facade import Serving
+from router.serving.facade import ModelInputs, Serving
 from router.serving.plan import load_plan
 from router.serving.runtime import Runtime, in_process
 from router.serving.snapshots import ModelInfo
@@ -226,3 +226,17 @@ async def test_every_front_answers_a_request_by_the_same_rules(
     assert error.status_code == expected.status
     assert re.search(expected.words, error.detail), f"{kind}: {error.detail!r}"
     assert ("Retry-After" in error.headers) == expected.retry_after, error.headers
+
+
+@pytest.mark.parametrize("kind", FRONTS)
+async def test_what_a_request_needs_of_its_model_is_what_its_snapshot_says(kind: str, tmp_path: Path) -> None:
+    """`Serving.inputs` (V2's signature, its item limit and priorities, a pipeline's entry) reads
+    no snapshot, and says what the model's snapshot says, on every front; 404 for an unknown name."""
+    async with front(kind, tmp_path) as served:
+        info = served.facade.model("m")
+        inputs = served.facade.inputs("m")
+        error = await error_of(lambda: served.facade.inputs("nope"))
+    assert inputs == ModelInputs("m", info.accepts, info.queue_capacity, info.priority_levels)
+    if kind != "cluster front":  # a cluster front knows a model's inputs from its replicas' reports
+        assert (inputs.accepts, inputs.queue_capacity, inputs.priority_levels) == (("application/json", "application/octet-stream"), 2, 3)
+    assert isinstance(error, ModelNotFound) and error.status_code == 404

@@ -32,7 +32,7 @@ from router.config import FleetConfig, ModelConfig, RouteConfig
 from router.errors import DeadlineExceeded, InputError, ModelNotFound, ModelUnavailable, ShuttingDown, brief
 from router.sdk.agreement import default_agreement
 from router.sdk.plugin import Payload
-from router.serving.facade import Answer
+from router.serving.facade import Answer, ModelInputs
 from router.serving.plan import PipelinePlan, plan_pipeline, version_route
 from router.serving.rollouts import Rollouts
 from router.serving.rules import ModelFigures, Refusal, Screened, Terms, screen
@@ -172,6 +172,11 @@ class ClusterRuntime:
 
     def lookup(self, model: str) -> ModelConfig:
         return self._config(model)
+
+    def inputs(self, model: str) -> ModelInputs:
+        """From the replicas' reports: what they accept, the queue room of all of them together."""
+        info = self.model(model)
+        return ModelInputs(info.name, info.accepts, info.queue_capacity, info.priority_levels)
 
     def screen(self, model: ModelConfig, terms: Terms, *, gate: bool) -> Screened:
         """Refuse what no replica could take, from the name and headers: bad header, shutting

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from grpc import aio
@@ -34,7 +35,7 @@ from router.grpc.codec import decode_request, encode_response
 from router.grpc.protos import grpc_service_pb2 as pb
 from router.inference_protocol.request import router_priority
 from router.inference_protocol.shared_memory import Caller, SharedMemoryRegistry
-from router.inference_protocol.submission import item_traces, run_request
+from router.inference_protocol.submission import is_small, item_traces, off_loop, run_request
 from router.inference_protocol.targets import Pipelines, find_target, served_version
 from router.serving.facade import Serving
 from router.tracing.api import Tracing
@@ -89,17 +90,18 @@ class Inference:
         target = find_target(self.runtime, self.pipelines, name, message.model_version)
         regions = self.shared_memory.for_client(shared_memory_caller(self.shared_memory, self.policy, call),
                                                 self.max_message_bytes)
-        model = target.model
+        model = target.inputs
         max_items = min(self.max_items, model.queue_capacity)
         if trace is not None:
             trace.enter("decode", time.monotonic())
-        decoded = await asyncio.to_thread(decode_request, message, max_items=max_items, regions=regions)
+        small = is_small(message.ByteSize(), any("shared_memory_region" in t.parameters for t in message.inputs))
+        decoded = await off_loop(small, partial(decode_request, message, max_items=max_items, regions=regions))
         priority = router_priority(decoded.priority, model.priority_levels) if decoded.priority else call.priority
         call.access.update(model=name, input_bytes=message.ByteSize() + regions.bytes_read, items=decoded.items)
         traces = None if trace is None or call.trace is None else item_traces(call.trace, trace, decoded.items)
         ran = await run_request(target.entry, model, decoded, priority=priority,
                                 timeout_ms=call.timeout_ms(decoded.timeout_ms), received_at=call.received_at,
-                                placed=placed, traces=traces)
+                                placed=placed, traces=traces, small=small)
         if trace is not None:
             trace.enter("respond")  # from the answers
         return encode_response(name, decoded, ran.outputs, [answer.output for answer in ran.answers], regions,

@@ -45,7 +45,7 @@ from router.host.packing import Packer, unpack
 from router.host.stream import EngineStream, handshake
 from router.sdk.agreement import default_agreement
 from router.sdk.plugin import Payload
-from router.serving.facade import Answer
+from router.serving.facade import Answer, ModelInputs
 from router.serving.hooks import check_answer, check_media_type
 from router.serving.phases import trace_execution
 from router.serving.plan import PipelinePlan
@@ -285,6 +285,10 @@ class EngineClient:
 
     def lookup(self, model: str) -> FrontModel:
         return self._model(model)
+
+    def inputs(self, model: str) -> ModelInputs:
+        entry = self._model(model).entry
+        return ModelInputs(entry.name, entry.accepts, entry.queue_capacity, entry.priority_levels)
 
     def screen(self, model: FrontModel, terms: Terms, *, gate: bool) -> Screened:
         return self._screen(model, terms)

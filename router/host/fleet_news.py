@@ -75,7 +75,8 @@ class FleetNews:
                 deployment.name, self._slot(deployment.name), deployment.plugin.name,
                 deployment.options.model_dump_json().encode(), deployment.generation, str(fleet.model_store),
                 fleet.allow_absolute_paths, bool(getattr(cls, "preprocess_needs_model", False)) or state == b"",
-                deployment.config.queue.timeout_ms, deployment.config.execution.timeout_ms, state or None))
+                deployment.config.queue.timeout_ms, deployment.config.execution.timeout_ms,
+                deployment.queue.max_size, deployment.config.queue.priority_levels, tuple(cls.accepts), state or None))
         pipelines = msgspec.msgpack.encode([pipeline_wire(plan) for plan in self.runtime.pipelines()])
         return Models(tuple(entries), pipelines, msgspec.msgpack.encode(list(self.runtime.routes().values())),
                       self.runtime.generation)

@@ -99,6 +99,9 @@ class ModelEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     hooks_in_engine: bool  # preprocess_needs_model: the front sends the raw body
     queue_timeout_ms: int  # the deadline of a request that asks for none
     execution_timeout_ms: int  # how long a running batch may take
+    queue_capacity: int  # how many items its queue holds
+    priority_levels: int
+    accepts: tuple[str, ...]  # the media types its plugin accepts
     front_state: bytes | None = None  # pickled front_state() after load; None before the first load
 
 

@@ -15,7 +15,7 @@ from router.inference_protocol import repository
 from router.inference_protocol.submission import Entry
 from router.routing import VersionRouter
 from router.sdk.plugin import Payload
-from router.serving.facade import Serving
+from router.serving.facade import ModelInputs, Serving
 from router.serving.plan import PipelinePlan
 from router.serving.rules import Screened
 from router.serving.snapshots import ModelInfo
@@ -45,7 +45,7 @@ class Pipelines(Protocol):
     def plan(self, name: str) -> PipelinePlan: ...
     def info(self, name: str) -> PipelineState: ...
     def infos(self) -> Sequence[PipelineState]: ...
-    def known_model(self, name: str) -> ModelInfo: ...  # 404 listing models and pipelines when it is neither
+    def known_inputs(self, name: str) -> ModelInputs: ...  # 404 listing models and pipelines when it is neither
     def screen(self, name: str, *, priority: int | None = None, timeout_ms: float | None = None,
                received_at: float | None = None, items: int = 1, body_bytes: int | None = None) -> Screened: ...
     async def run(self, name: str, payload: Payload, *, priority: int | None = None, timeout_ms: float | None = None,
@@ -58,14 +58,20 @@ class Target:
     """A model, or a pipeline with the model its requests enter by (whose inputs are the pipeline's)."""
 
     name: str
-    model: ModelInfo
+    inputs: ModelInputs  # of the model its items go to: what an inference needs, without a snapshot
     entry: Entry
+    runtime: Serving
     runner: Pipelines | None = None  # set for a pipeline
     versions: tuple[str, ...] = (repository.MODEL_VERSION,)
 
     @property
     def pipeline(self) -> bool:
         return self.runner is not None
+
+    @property
+    def model(self) -> ModelInfo:
+        """The snapshot of the model its items go to, read now (metadata, readiness)."""
+        return self.runtime.model(self.inputs.name)
 
     @property
     def serving(self) -> bool:
@@ -82,16 +88,16 @@ def find_target(runtime: Serving, pipelines: Pipelines, name: str, version: str 
     versions = pipelines.versions
     if pipelines.serves(name):
         plan = pipelines.plan(name)
-        target = Target(name, runtime.model(versions.target(plan.entry)), Entry(name, pipelines.screen, pipelines.run),
-                        pipelines)
+        target = Target(name, runtime.inputs(versions.target(plan.entry)), Entry(name, pipelines.screen, pipelines.run),
+                        runtime, pipelines)
     elif versions.serves(name):  # a model with versions: the pinned version's, else routed per request
         pinned = version or None
-        model = runtime.model(versions.target(name, pinned))
+        inputs = runtime.inputs(versions.target(name, pinned))
         entry = Entry(name, partial(versions.screen, version=pinned, route_key=None),
                       partial(versions.submit, version=pinned))
-        return Target(name, model, entry, versions=versions.route(name).versions)
+        return Target(name, inputs, entry, runtime, versions=versions.route(name).versions)
     else:
-        target = Target(name, pipelines.known_model(name), Entry(name, versions.screen, versions.submit))
+        target = Target(name, pipelines.known_inputs(name), Entry(name, versions.screen, versions.submit), runtime)
     repository.check_version(name, version)
     return target
 

@@ -38,7 +38,7 @@ from router.routing import VersionRouter
 from router.sdk.images import decode_image
 from router.sdk.plugin import Payload
 from router.sdk.transforms import StepItem, Transform, Transformed
-from router.serving.facade import Serving, screening
+from router.serving.facade import ModelInputs, Serving, screening
 from router.serving.plan import PipelinePlan
 from router.serving.rules import Screened
 from router.serving.snapshots import ModelInfo
@@ -121,6 +121,13 @@ class PipelineRunner:
         except ModelNotFound as exc:
             raise self.not_found(name, exc) from None
 
+    def known_inputs(self, name: str) -> ModelInputs:
+        """As `known_model`, what a request needs of the model (no snapshot)."""
+        try:
+            return self.facade.inputs(self.versions.target(name))
+        except ModelNotFound as exc:
+            raise self.not_found(name, exc) from None
+
     def not_found(self, name: str, error: ModelNotFound) -> ModelNotFound:
         """The façade's 404 for a model `name` where the name could be a pipeline's too: with the
         pipelines listed after the models (as it is where there are none)."""
@@ -192,7 +199,7 @@ class PipelineRunner:
 
     async def _entry_input(self, request: _Request, plan: PipelinePlan, payload: Payload) -> Payload:
         """The input decoded once, when the first model takes images: every step after it cuts from these pixels."""
-        accepts = self.facade.model(self.versions.target(plan.entry)).accepts
+        accepts = self.facade.inputs(self.versions.target(plan.entry)).accepts
         if payload.pixels is not None or not any(a.lower().startswith("image/") for a in accepts):
             return payload
         pixels = await self._off_loop(request, "input", decode_image, payload)

@@ -47,7 +47,7 @@ from router.serving.verbs import (
 from router.serving.versions import VersionRoute
 from router.tracing.api import Phases, within_phase
 
-__all__ = ["SCREEN_WAIT_MIN_BYTES", "Answer", "Core", "InFlight", "Serving", "screening"]
+__all__ = ["SCREEN_WAIT_MIN_BYTES", "Answer", "Core", "InFlight", "ModelInputs", "Serving", "screening"]
 
 log = logging.getLogger("router.serving")
 H = TypeVar("H")
@@ -67,6 +67,18 @@ class Answer:
     input_info: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ModelInputs:
+    """What a request must know of its model before it is screened: the media types its plugin
+    accepts (a V2 input's signature), how many items its queue holds and its priority levels.
+    They change only with the model's section, so reading them costs no snapshot."""
+
+    name: str
+    accepts: tuple[str, ...]
+    queue_capacity: int
+    priority_levels: int
+
+
 class Core(Protocol[H]):
     """A serving core, as `Serving` uses it: find a model, screen a request on the figures read
     now, commit it and get its answer, make a fleet call, refuse and answer what is left on a drain,
@@ -81,6 +93,11 @@ class Core(Protocol[H]):
     def lookup(self, model: str) -> H:
         """The model's handle: ModelNotFound (404) for an unknown name, or the 503 of a core that
         cannot take requests at all now. Neither is a request's outcome: it names no model."""
+        ...
+
+    def inputs(self, model: str) -> ModelInputs:
+        """What a request must know of the model before it is screened (`ModelInputs`); the
+        errors of `lookup`."""
         ...
 
     def screen(self, model: H, terms: Terms, *, gate: bool) -> Screened:
@@ -226,6 +243,11 @@ class Serving(Generic[C]):
     def model(self, name: str) -> ModelInfo:
         """One model's snapshot; ModelNotFound (404) for an unknown name."""
         return self.core.model(name)
+
+    def inputs(self, name: str) -> ModelInputs:
+        """What a request must know of the model before it is screened, without a snapshot;
+        ModelNotFound (404) for an unknown name."""
+        return self.core.inputs(name)
 
     def devices(self) -> list[DeviceInfo]:
         return self.core.devices()

@@ -32,7 +32,7 @@ from router.sdk.agreement import default_agreement
 from router.sdk.plugin import Payload, PluginContext
 from router.serving.deployment import Deployment
 from router.serving.editor import FleetEditor, ReloadReport
-from router.serving.facade import Answer, Serving
+from router.serving.facade import Answer, ModelInputs, Serving
 from router.serving.fleet_state import FleetState, Serve, Stage
 from router.serving.hooks import HookRunner, check_answer, check_media_type
 from router.serving.instance import ModelInstance
@@ -344,6 +344,11 @@ class Runtime:
 
     def lookup(self, model: str) -> Deployment:
         return self._state.get(model)
+
+    def inputs(self, model: str) -> ModelInputs:
+        deployment = self._state.get(model)
+        return ModelInputs(deployment.name, tuple(deployment.plugin.cls.accepts), deployment.queue.max_size,
+                           deployment.config.queue.priority_levels)
 
     def screen(self, model: Deployment, terms: Terms, *, gate: bool) -> Screened:
         return self.intake.screen(model, terms, gate=gate)

@@ -9,11 +9,11 @@ handler (`encode_error` holds the mapping); the native routes keep `{"detail": .
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import zlib
 from dataclasses import asdict
+from functools import partial
 from typing import Any, Final
 
 from litestar import MediaType, Request, Response, Router, get, post
@@ -28,7 +28,7 @@ from router.http.request_state import note_error, pipelines_of, received_at, req
 from router.inference_protocol import repository
 from router.inference_protocol.request import InferRequest, router_priority
 from router.inference_protocol.shared_memory import ClientRegions
-from router.inference_protocol.submission import Ran, item_traces, run_request
+from router.inference_protocol.submission import Ran, is_small, item_traces, off_loop, run_request
 from router.inference_protocol.targets import Target, find_target, served_version
 from router.inference_protocol.targets import repository_index as repository_entries
 from router.sdk.bounded_json import loads_bounded
@@ -39,6 +39,8 @@ __all__ = ["v2_error_response", "v2_router"]
 log = logging.getLogger("router.http.kserve.routes")
 DEFAULT_BODY_LIMIT: Final = 20 * 1024 * 1024
 DEFAULT_MAX_ITEMS: Final = 1024
+#: The parameter by which an input reads its data from shared memory: such a request is decoded off the loop.
+SHARED_MEMORY_KEY = b"shared_memory_region"
 
 
 def _target(request: Request[Any, Any, Any], name: str) -> Target:
@@ -116,17 +118,18 @@ async def _decode_and_run(
     pipeline's runner) as a whole."""
     if trace is not None:
         trace.enter("decode", time.monotonic())
-    model = target.model
+    model = target.inputs
     max_items = min(_max_items(request), model.queue_capacity)
-    decoded = await asyncio.to_thread(decode_request, body, request.headers.get(HEADER_LENGTH), max_items=max_items,
-                                      regions=regions)
+    small = is_small(len(body), SHARED_MEMORY_KEY in body)
+    decoded = await off_loop(small, partial(decode_request, body, request.headers.get(HEADER_LENGTH),
+                                            max_items=max_items, regions=regions))
     priority = router_priority(decoded.priority, model.priority_levels)
     request.scope["state"]["access"] = {"model": target.name, "input_bytes": len(body) + regions.bytes_read,
                                         "items": decoded.items}
     span = request_trace(request.scope)
     traces = None if trace is None or span is None else item_traces(span, trace, decoded.items)
     ran = await run_request(target.entry, model, decoded, priority=priority, timeout_ms=decoded.timeout_ms,
-                            received_at=received_at(request), traces=traces)
+                            received_at=received_at(request), traces=traces, small=small)
     return decoded, ran
 
 
