@@ -23,6 +23,12 @@
 - SIGTERM or SIGINT: the fronts drain (they stop taking requests and answer what they hold, which
   the engine finishes), then the engine stops; exit 0. SIGHUP goes to the engine (reload).
 
+A front runs its plugins' hooks one input per thread of its CPU pool, which is the parallelism: its
+OpenMP, MKL and OpenBLAS threads are one each (`FRONT_THREADS`, in its environment from the start),
+so that torch's kernels in a hook (ResNet's resize) do not spread each input over every core and
+fight the pool's other threads, the engine and the other fronts for them. The engine keeps the
+settings' `torch_threads` for its batches.
+
 The children run in their own sessions (a terminal's Ctrl-C reaches only this process, which
 stops them in order) and get SIGTERM from the kernel if this process dies.
 """
@@ -48,7 +54,7 @@ from router.host.board import BoardReader, create_board, silent_s
 from router.host.handover import hold_port, write_settings
 from router.host.titles import set_title
 
-__all__ = ["CONFIG_REFUSED", "ENGINE_DEATHS_LIMIT", "Child", "Supervisor", "restart_delay"]
+__all__ = ["CONFIG_REFUSED", "ENGINE_DEATHS_LIMIT", "FRONT_THREADS", "Child", "Supervisor", "restart_delay"]
 
 log = logging.getLogger("router.host.supervisor")
 ENGINE_DEATHS_LIMIT = 5
@@ -61,6 +67,8 @@ FIRST_RESTART_S = 0.5
 MAX_RESTART_S = 10.0
 #: A child alive this long after a start is well again: its next death restarts it at once.
 HEALTHY_AFTER_S = 30.0
+#: A front's environment over the parent's: its hooks' native libraries run one thread each.
+FRONT_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
 def restart_delay(recent_deaths: int) -> float:
@@ -133,6 +141,8 @@ class Supervisor:
             board = create_board()  # a fresh one: its heartbeat counts from this engine's first publication
             command += ["--epoch", str(self._epoch), "--board-fd", str(board)]
             handed = (board,)
+        if child.role != "engine":
+            env = {**env, **FRONT_THREADS}
         child.process = subprocess.Popen(command, env=env, start_new_session=True, pass_fds=handed)
         if handed:
             if self._board is not None:
