@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -111,6 +112,7 @@ def engine_alone(fronts: int = 2, concurrency: int = 128, seconds: float = 5.0, 
     finally:
         engine.terminate()
         engine.wait(30)
+    shutil.rmtree(directory, ignore_errors=True)  # kept when the measurement failed: its engine.log says why
     answered = sum(counts)
     return {"fronts": fronts, "concurrency_per_front": concurrency, "max_batch": max_batch, "seconds": seconds,
             "answered": counts[0], "failed": counts[1], "rps": round(answered / wall_s),

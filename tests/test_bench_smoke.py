@@ -3,6 +3,7 @@ the load generator drives it, and the report renders. A few seconds; no timing a
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -95,8 +96,10 @@ def test_the_split_host_scenario_measures_roles_projects_and_renders(tmp_path: P
 
     run = contender_run("router", "2", HOST_WORKLOADS["noop"], tmp_path, tmp_path, 8, 1.0, 0.5)
     assert run["statuses"] == {"200": run["statuses"]["200"]} and {"engine", "front", "parent"} <= set(run["cpu_us_per_answer"])
+    left = set(Path(tempfile.gettempdir()).glob("engine-alone-*"))
     alone = engine_alone(1, 8, 0.5, 8)
     assert alone["answered"] > 0 and alone["failed"] == 0 and alone["engine_cpu_us_per_request"] > 0
+    assert set(Path(tempfile.gettempdir()).glob("engine-alone-*")) == left  # its scratch directory is gone
     projection = project(front_us=600.0, engine_us=40.0, one_process_us=700.0)
     assert projection["split_rps"] == 12308 and projection["split_bound_by"] == "the accelerator"  # 64 / 5.2 ms
     assert projection["one_process_rps"] == 1429 and projection["ratio"] == 8.62
