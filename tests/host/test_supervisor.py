@@ -5,11 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
-from functools import partial
 from pathlib import Path
-from unittest.mock import patch
 
 import pytest
 
@@ -34,14 +31,15 @@ def test_a_front_runs_its_hooks_native_libraries_on_one_thread_and_the_engine_on
     as they load); the engine gets the parent's own, whatever the operator set there."""
     monkeypatch.setenv("OMP_NUM_THREADS", "6")
     supervisor = Supervisor(ServerSettings(), workers=2)
-    report = "import json, os, sys; print(json.dumps({k: os.environ.get(k) for k in sys.argv[1:4]}))"
+    # The child writes its environment to the file its first argument names (the engine's command
+    # gets --epoch and --board-fd after it).
+    report = "import json, os, sys; open(sys.argv[1], 'w').write(json.dumps({k: os.environ.get(k) for k in %r}))"
     seen = {}
     try:
         for role in ("engine", "front 1"):
             out = tmp_path / f"{role}.json"
-            child = Child(role, [sys.executable, "-c", f"{report}", *FRONT_THREADS])
-            with out.open("w") as sink, patch("subprocess.Popen", partial(subprocess.Popen, stdout=sink)):
-                supervisor._start(child, supervisor._environment())
+            child = Child(role, [sys.executable, "-c", report % list(FRONT_THREADS), str(out)])
+            supervisor._start(child, supervisor._environment())
             assert child.process is not None and child.process.wait(30) == 0
             seen[role] = json.loads(out.read_text())
     finally:
