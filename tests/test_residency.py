@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 from router.scheduling.residency import Occupant, plan_residency
@@ -93,3 +94,22 @@ def test_a_model_leaving_with_work_is_reloaded_when_it_is_absent_again() -> None
     leaving = Occupant("a", "a", "leaving", 100 * MB, 10 * MB, wanted=True, work=2)
     assert plan([leaving]).loads == ()  # still unloading: its memory is not back
     assert plan([replace(leaving, state="absent")], committed=0).loads == ("a",)
+
+
+def test_residents_that_are_never_unloaded_when_idle_get_an_empty_plan_whatever_else_holds() -> None:
+    """The device scheduler skips planning when every instance serves and none is unloaded when
+    idle (`Deployment.steady`): that is sound only if such occupants always get an empty plan."""
+    rng = random.Random(7)
+    for _ in range(2000):
+        occupants = []
+        for i in range(rng.randint(1, 5)):
+            on_demand = rng.random() < 0.5
+            occupants.append(resident(
+                f"m{i}", weights=rng.randint(1, 400) * MB, last_used=rng.uniform(0, 100), on_demand=on_demand,
+                pinned=rng.random() < 0.3, busy=rng.random() < 0.3, work=rng.randint(0, 3),
+                wanted=rng.random() < 0.3, slack_s=rng.choice([None, rng.uniform(-1, 5)]),
+                idle_unload_s=None if on_demand else rng.choice([None, 5.0]),
+            ))
+        committed = rng.randint(0, 800) * MB  # the probe may see more held than the ledger booked
+        result = plan(occupants, committed=committed, max_loads=rng.randint(0, 2))
+        assert (result.loads, result.evictions, result.waiting, result.never_fits) == ((), (), (), ()), occupants

@@ -77,6 +77,7 @@ class Model(Protocol):
     def budget_bytes(self) -> int | None: ...  # cap on its weights + running batches
     def dispatch_horizon_s(self, runner: Runner, size: int, now: float) -> float: ...
     def occupant(self, runner: Runner, now: float) -> Occupant: ...  # the runner as residency sees it
+    def steady(self, runner: Runner) -> bool: ...  # serving, with nothing for residency to decide
 
 
 class ResidencyActions(Protocol):
@@ -351,6 +352,9 @@ class DeviceScheduler:
         """Plan loads and evictions and hand them to the serving layer. Returns when an idle
         model next falls due for unloading, if any does."""
         if self._actions is None:
+            return None
+        if all(model.steady(runner) for model, runner in self._members):  # the plan would be empty
+            self.last_residency = ResidencyPlan()
             return None
         now = self.clock()
         occupants = [model.occupant(runner, now) for model, runner in self._members]

@@ -9,10 +9,13 @@ no thread that other models need.
 
 Handing a call to a pool thread and back costs the event loop some 30 to 60 us here (a future, a
 wake-up of the thread, a wake-up of the loop). A hook that costs a few microseconds (a JSON field,
-a dict) is cheaper to run in place. So each model's hooks are timed (a decaying mean of their own
-duration, wherever they ran), and an in-process hook whose mean is under `INLINE_BELOW_S` runs on
-the loop; one that gets dearer goes back to its pool at its next call. Image decoding
-(milliseconds) always stays on the pool.
+a dict, a short JSON body made a tensor) is cheaper to run in place, and its request skips two
+thread wake-ups. So each model's hooks are timed where they run, and an in-process hook whose mean
+on the loop is under `INLINE_BELOW_S` runs there; one that gets dearer goes back to its pool at
+its next call. A pool thread's timing counts its waits for the GIL, which grow with the load, so
+it only says whether a hook is worth trying on the loop: under `TRY_INLINE_BELOW_S` it runs there
+once, and again every `RETRY_INLINE_EVERY` calls while it stays on the pool. Image decoding
+(milliseconds) never runs on the loop.
 
 The checks around the hooks are here too: the body's media type on its way in
 (`check_media_type`) and the answer on its way out (`check_answer`). Each raises the RouterError
@@ -35,35 +38,54 @@ from router.errors import DeadlineExceeded, ModelError, RouterError, Unsupported
 from router.sdk.plugin import ModelPlugin, Payload
 from router.serving.isolation import RemotePlugin
 
-__all__ = ["INLINE_BELOW_S", "HookCost", "HookRunner", "check_answer", "check_media_type"]
+__all__ = ["INLINE_BELOW_S", "RETRY_INLINE_EVERY", "TRY_INLINE_BELOW_S", "HookCost", "HookRunner", "check_answer", "check_media_type"]
 
 log = logging.getLogger("router.serving.runtime")  # the request path's logger, as before these hooks moved here
 T = TypeVar("T")
-#: A hook whose calls average less than this runs on the event loop.
-INLINE_BELOW_S = 50e-6
-#: Calls timed on the pool before a hook may run inline.
+#: A hook whose calls on the event loop average less than this runs there.
+INLINE_BELOW_S = 100e-6
+#: A hook whose calls on a pool average less than this is tried on the event loop.
+TRY_INLINE_BELOW_S = 250e-6
+#: Calls timed on a pool before a hook is first tried on the event loop.
 INLINE_AFTER_CALLS = 8
+#: Calls on a pool between two tries on the event loop of a hook found too dear there.
+RETRY_INLINE_EVERY = 256
 DOING = {"preprocess": "preparing the input", "postprocess": "preparing the answer"}
 _JSON_SCALARS = (str, int, bool, type(None))
 
 
 class HookCost:
-    """One hook's duration: a decaying mean (a tenth of each new call), and how many calls it has
-    seen. Updated from pool threads too: an estimate, not an account."""
+    """One hook's duration where it runs: a decaying mean (a tenth of each new call) on the event
+    loop and one on its pool. Updated from pool threads too: an estimate, not an account."""
 
-    __slots__ = ("calls", "mean_s")
+    __slots__ = ("inline_s", "pooled_calls", "pooled_s", "since_inline")
 
     def __init__(self) -> None:
-        self.calls = 0
-        self.mean_s = 0.0
+        self.inline_s: float | None = None  # None: never run on the loop
+        self.pooled_s = 0.0
+        self.pooled_calls = 0
+        self.since_inline = 0  # calls on a pool since it last ran on the loop
 
-    def observe(self, seconds: float) -> None:
-        self.mean_s = seconds if self.calls == 0 else self.mean_s + 0.1 * (seconds - self.mean_s)
-        self.calls += 1
+    def observe(self, seconds: float, *, inline: bool) -> None:
+        if inline:
+            # A first call on the loop after a spell on the pool replaces the old figure: it may
+            # be a pause the hook did not cause (a garbage collection), and one try decides.
+            tried = self.inline_s is None or self.since_inline > 0
+            self.inline_s = seconds if tried else self.inline_s + 0.1 * (seconds - self.inline_s)
+            self.since_inline = 0
+        else:
+            self.pooled_s = seconds if self.pooled_calls == 0 else self.pooled_s + 0.1 * (seconds - self.pooled_s)
+            self.pooled_calls += 1
+            self.since_inline += 1
 
     @property
     def inline(self) -> bool:
-        return self.calls >= INLINE_AFTER_CALLS and self.mean_s < INLINE_BELOW_S
+        """Whether the next call runs on the event loop."""
+        if self.inline_s is not None and self.since_inline == 0 and self.inline_s < INLINE_BELOW_S:
+            return True
+        if self.pooled_calls < INLINE_AFTER_CALLS or self.pooled_s >= TRY_INLINE_BELOW_S:
+            return False
+        return self.inline_s is None or self.since_inline >= RETRY_INLINE_EVERY
 
 
 class HookRunner:
@@ -98,7 +120,7 @@ class HookRunner:
             else:
                 cost = self.cost(model, hook)
                 if cost.inline:
-                    return _timed(cost, getattr(plugin, hook), *args)
+                    return _timed(cost, True, getattr(plugin, hook), *args)
                 work = self._on(self._post if hook == "postprocess" else self._cpu, cost, getattr(plugin, hook), *args)
             if deadline is None:
                 return await work
@@ -145,7 +167,7 @@ class HookRunner:
         def unless_abandoned() -> Any:
             if abandoned[0]:
                 raise asyncio.CancelledError
-            return _timed(cost, fn, *args)
+            return _timed(cost, False, fn, *args)
 
         try:
             return await asyncio.get_running_loop().run_in_executor(pool, unless_abandoned)
@@ -154,12 +176,12 @@ class HookRunner:
             raise
 
 
-def _timed(cost: HookCost, fn: Callable[..., T], *args: Any) -> T:
+def _timed(cost: HookCost, inline: bool, fn: Callable[..., T], *args: Any) -> T:
     started = time.perf_counter()
     try:
         return fn(*args)
     finally:
-        cost.observe(time.perf_counter() - started)
+        cost.observe(time.perf_counter() - started, inline=inline)
 
 def check_media_type(model: str, accepts: Sequence[str], payload: Payload) -> None:
     """415 for a media type the model's plugin does not accept."""
