@@ -38,7 +38,8 @@ from router.errors import DeadlineExceeded, ModelError, RouterError, Unsupported
 from router.sdk.plugin import ModelPlugin, Payload
 from router.serving.isolation import RemotePlugin
 
-__all__ = ["INLINE_BELOW_S", "RETRY_INLINE_EVERY", "TRY_INLINE_BELOW_S", "HookCost", "HookRunner", "check_answer", "check_media_type"]
+__all__ = ["INLINE_AFTER_CALLS", "INLINE_BELOW_S", "RETRY_INLINE_EVERY", "TRY_INLINE_BELOW_S", "HookCost", "HookRunner",
+           "check_answer", "check_media_type"]
 
 log = logging.getLogger("router.serving.runtime")  # the request path's logger, as before these hooks moved here
 T = TypeVar("T")
