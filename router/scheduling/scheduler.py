@@ -25,7 +25,7 @@ from router.scheduling.batch_admission import BatchAdmission, Candidate, DeviceS
 from router.scheduling.ledger import MemoryLedger, Reservation
 from router.scheduling.probes import MemoryProbe, MemoryReading, ProbeError
 from router.scheduling.queue import BatchResult, ModelQueue, Ticket, reject
-from router.scheduling.residency import Occupant, ResidencyPlan, plan_residency
+from router.scheduling.residency import Occupant, plan_residency
 from router.scheduling.service_time import BatchTime, DecayingTotal
 from router.sdk.plugin import MemoryEstimate
 from router.tracing.api import BatchSpan, Tracing
@@ -124,7 +124,6 @@ class DeviceScheduler:
         self._ends: dict[int, float] = {}  # expected end of each counted batch, by reservation
         self._stopping = False
         self._actions: ResidencyActions | None = None
-        self.last_residency = ResidencyPlan()
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -354,7 +353,6 @@ class DeviceScheduler:
         if self._actions is None:
             return None
         if all(model.steady(runner) for model, runner in self._members):  # the plan would be empty
-            self.last_residency = ResidencyPlan()
             return None
         now = self.clock()
         occupants = [model.occupant(runner, now) for model, runner in self._members]
@@ -367,7 +365,6 @@ class DeviceScheduler:
             committed = max(committed, reading.used_bytes - self.ledger.reserved_bytes)
         plan = plan_residency(occupants, budget_bytes=self.budget_bytes, committed_bytes=committed,
                               max_loads=self.config.max_concurrent_loads, now=now)
-        self.last_residency = plan
         for key, kind, detail in plan.evictions:
             log.info("device %s: evicting %s (%s: %s)", self.device, key, kind, detail)
             self._actions.start_unload(key, kind, detail)
