@@ -100,15 +100,18 @@ class Deployment:
             return False
         return res.held or res.lost is not None or (self.on_demand and (res.holders > 0 or bool(res.waiting)))
 
+    def _instance(self, runner: Runner) -> ModelInstance:
+        """This model's instance that the scheduler knows as `runner`."""
+        return next(i for i in self.instances if i.key == runner.key)
+
     def steady(self, runner: Runner) -> bool:
         """The instance serves, and its device's residency plan has nothing to decide about it: it
         is not unloaded when idle (only an idle unload or a wanted load puts anything in a plan)."""
-        instance = next(i for i in self.instances if i.key == runner.key)
-        return instance.serving and not (self.on_demand and self.config.idle_unload_s is not None)
+        return self._instance(runner).serving and not (self.on_demand and self.config.idle_unload_s is not None)
 
     def occupant(self, runner: Runner, now: float) -> Occupant:
         """An instance of this model as its device's residency planner sees it."""
-        instance = next(i for i in self.instances if i.key == runner.key)
+        instance = self._instance(runner)
         res = self.residency
         state = instance.state
         if state in (InstanceState.LOADING, InstanceState.WARMING):
