@@ -18,8 +18,8 @@ import pytest
 import uvicorn
 
 from router.errors import ClientDisconnected
-from router.http.disconnect import WATCH_LOSS, run_unless_disconnected
 from router.http.protocol import HttpLimits, guarded_protocol
+from router.http.request import WATCH_LOSS, run_unless_disconnected
 from tests.conftest import free_port
 
 

@@ -1,4 +1,4 @@
-"""When the router hands freed heap memory back (router/http/memory.py), with an injected clock."""
+"""When the router hands freed heap memory back (router/http/request.py), with an injected clock."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from router.http.memory import BUSY_TRIM_INTERVAL_S, BodyMemory, malloc_trim
+from router.http.request import BUSY_TRIM_INTERVAL_S, BodyMemory, malloc_trim
 
 
 def test_a_trim_is_due_after_enough_body_bytes_once_the_burst_is_over() -> None:

@@ -36,7 +36,7 @@ async def test_a_pipeline_is_added_changed_and_removed_at_run_time(tmp_path: Pat
         assert len((await runner.run("two", jpeg(64, 48))).output["detections"]) == 1  # the new definition serves
         assert sorted(p.name for p in runtime.pipelines()) == ["dc", "two"]
         await runtime.delete_pipeline("two")
-        assert not runner.serves("two")
+        assert runtime.pipeline("two") is None
         with pytest.raises(ModelNotFound, match="no pipeline named 'two'; pipelines: dc"):
             await runtime.delete_pipeline("two")
 

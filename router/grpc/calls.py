@@ -228,7 +228,7 @@ async def run_call(handler: Handler, message_type: Any, raw: bytes, context: aio
 
 
 def access_line(call: Call, status: int, code: str, seconds: float) -> None:
-    """One `request` line, in the fields of the HTTP access lines (`router.http.access`)."""
+    """One `request` line, in the fields of the HTTP access lines (`router.http.request`)."""
     if call.method in QUIET and status == 200:
         return
     line = {"method": "gRPC", "path": call.method, "status": status, "grpc_status": code,

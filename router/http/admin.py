@@ -21,7 +21,7 @@ from litestar.params import FromPath
 from router.config import MAX_CONFIG_DEPTH, nesting_exceeds
 from router.errors import ConfigError, InputError
 from router.http.auth import Access
-from router.http.request_state import runtime_of
+from router.http.request import runtime_of
 from router.sdk.bounded_json import loads_bounded
 
 __all__ = ["ADMIN", "ADMIN_ROUTES", "fleet_section"]

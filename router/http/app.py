@@ -20,19 +20,31 @@ from litestar.types import ASGIApp, HTTPScope, Message, Receive, ReceiveMessage,
 
 from router import __version__
 from router.errors import ClientDisconnected, InputError, ModelNotFound, RequestTimeout, RouterError, brief, clip
-from router.http.access import QUIET_PATHS, access_line
 from router.http.admin import ADMIN_ROUTES
 from router.http.answers import error_body
 from router.http.auth import Access, AccessPolicy, access_guard
-from router.http.disconnect import run_unless_disconnected
-from router.http.headers import announced_length, incoming_or_new, number_header, priority_header
 from router.http.kserve.routes import v2_error_response, v2_router
-from router.http.memory import BodyMemory
 from router.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from router.http.metrics import RouterMetrics
 from router.http.pipelines import PIPELINE_ROUTES, predict_pipeline
 from router.http.protocol import ANSWERED, BODY_IN, SCREENED
-from router.http.request_state import TRACE, mark_received, note_error, pipelines_of, received_at, request_phases, runtime_of
+from router.http.request import (
+    QUIET_PATHS,
+    TRACE,
+    BodyMemory,
+    access_line,
+    announced_length,
+    incoming_or_new,
+    mark_received,
+    note_error,
+    number_header,
+    pipelines_of,
+    priority_header,
+    received_at,
+    request_phases,
+    run_unless_disconnected,
+    runtime_of,
+)
 from router.http.ui import ui_router
 from router.http.versions import VERSION_ROUTES
 from router.inference_protocol.repository import MODEL_VERSION
@@ -147,6 +159,7 @@ async def predict_version(name: FromPath[str], version: FromPath[str], request: 
 async def _predict(name: str, version: str | None, request: Request[Any, Any, Any]) -> ASGIApp:
     pipelines = pipelines_of(request)
     versions = pipelines.versions
+    is_pipeline = runtime_of(request).pipeline(name) is not None
     trace = request_phases(request.scope, "receive")
     priority = priority_header(request.headers.get("x-priority"))
     timeout_ms = number_header("X-Timeout-Ms", request.headers.get("x-timeout-ms"))
@@ -155,7 +168,7 @@ async def _predict(name: str, version: str | None, request: Request[Any, Any, An
     # refusal costs little. Served by `model-router serve`, the connection has screened the request
     # already (router.http.early), and its `Screened` goes on with the request to the commit.
     screened = request.scope["state"].get(SCREENED)
-    if pipelines.serves(name):
+    if is_pipeline:
         if screened is None:
             screened = pipelines.screen(name, priority=priority, timeout_ms=timeout_ms, received_at=received_at(request),
                                         body_bytes=announced_length(request.headers.get("content-length")))
@@ -213,7 +226,7 @@ async def list_models(request: Request[Any, Any, Any]) -> dict[str, Any]:
 @get("/models/{name:str}", summary="One model's state, queue, batching, memory and counters (or a pipeline's)")
 async def show_model(name: FromPath[str], request: Request[Any, Any, Any]) -> dict[str, Any]:
     pipelines = pipelines_of(request)
-    if pipelines.serves(name):
+    if runtime_of(request).pipeline(name) is not None:
         return pipelines.info(name).as_dict()
     if pipelines.versions.serves(name):
         return _route(name, request)

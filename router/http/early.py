@@ -24,11 +24,10 @@ from collections.abc import Sequence
 import msgspec
 
 from router.errors import ModelNotFound, RouterError
-from router.http.access import access_line
 from router.http.answers import error_body
 from router.http.auth import Access, AccessPolicy
-from router.http.headers import announced_length, incoming_or_new, number_header, priority_header
 from router.http.protocol import EarlyAnswer
+from router.http.request import access_line, announced_length, incoming_or_new, number_header, priority_header
 from router.pipelines import PipelineRunner
 from router.serving.facade import Serving
 from router.serving.rules import Screened
@@ -80,7 +79,7 @@ class EarlyRefusals:
             priority = priority_header(fields.get(b"x-priority"))
             timeout_ms = number_header("X-Timeout-Ms", fields.get(b"x-timeout-ms"))
             body_bytes = announced_length(fields.get(b"content-length"))
-            if pipelines is not None and pipelines.serves(model):
+            if pipelines is not None and self.runtime.pipeline(model) is not None:
                 return pipelines.screen(model, priority=priority, timeout_ms=timeout_ms, received_at=started,
                                         body_bytes=body_bytes)
             if pipelines is not None:

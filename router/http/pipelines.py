@@ -16,8 +16,7 @@ from litestar.params import FromPath
 
 from router.errors import ConfigError, InputError
 from router.http.admin import ADMIN, fleet_section
-from router.http.disconnect import run_unless_disconnected
-from router.http.request_state import pipelines_of, received_at, runtime_of
+from router.http.request import pipelines_of, received_at, run_unless_disconnected, runtime_of
 from router.logs import request_id_var
 from router.pipelines import PipelineRunner
 from router.sdk.plugin import Payload

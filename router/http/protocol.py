@@ -48,7 +48,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from router.http.answers import error_body
 from router.http.connections import OpenConnections
-from router.http.disconnect import WATCH_LOSS
+from router.http.request import WATCH_LOSS
 
 __all__ = ["ANSWERED", "BODY_IN", "SCREENED", "EarlyAnswer", "HttpLimits", "Screen", "guarded_protocol"]
 
@@ -116,7 +116,7 @@ class _ContinueCycle(RequestResponseCycle):
 
 
 class _LossWatch:
-    """A connection's `Watch` (`router.http.disconnect`): it calls back the request waiting for its
+    """A connection's `Watch` (`router.http.request`): it calls back the request waiting for its
     answer once the connection is lost; one callback at a time, since the connection runs one
     request at a time. It holds no reference to the connection: a scope that keeps it must not
     keep the connection, and the body its state caches, alive past the connection's end."""

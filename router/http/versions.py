@@ -18,7 +18,7 @@ from litestar.params import FromPath
 
 from router.errors import ConfigError, InputError
 from router.http.admin import ADMIN, fleet_section
-from router.http.request_state import pipelines_of, runtime_of
+from router.http.request import pipelines_of, runtime_of
 from router.sdk.bounded_json import loads_bounded
 from router.serving.traffic import TrafficChange
 

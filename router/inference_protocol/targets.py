@@ -86,7 +86,7 @@ class Target:
 def find_target(runtime: Serving, pipelines: Pipelines, name: str, version: str | None = None) -> Target:
     """What `name` names; 404 for neither a model nor a pipeline (listing both) or a version it lacks."""
     versions = pipelines.versions
-    if pipelines.serves(name):
+    if runtime.pipeline(name) is not None:
         plan = pipelines.plan(name)
         target = Target(name, runtime.inputs(versions.target(plan.entry)), Entry(name, pipelines.screen, pipelines.run),
                         runtime, pipelines)

@@ -104,9 +104,6 @@ class PipelineRunner:
 
     # -- snapshots ------------------------------------------------------------------------------
 
-    def serves(self, name: str) -> bool:
-        return self.facade.pipeline(name) is not None
-
     def plan(self, name: str) -> PipelinePlan:
         plan = self.facade.pipeline(name)
         if plan is None:

@@ -21,10 +21,17 @@ from litestar.params import FromPath
 
 from router.errors import InputError, PayloadTooLarge, UnsupportedMediaType, brief
 from router.http.auth import Access
-from router.http.disconnect import run_unless_disconnected
 from router.http.kserve.codec import HEADER_LENGTH, decode_request, encode_error, encode_response
 from router.http.kserve.shared_memory_routes import SHARED_MEMORY_ROUTES, client_regions
-from router.http.request_state import note_error, pipelines_of, received_at, request_phases, request_trace, runtime_of
+from router.http.request import (
+    note_error,
+    pipelines_of,
+    received_at,
+    request_phases,
+    request_trace,
+    run_unless_disconnected,
+    runtime_of,
+)
 from router.inference_protocol import repository
 from router.inference_protocol.request import InferRequest, router_priority
 from router.inference_protocol.shared_memory import ClientRegions
