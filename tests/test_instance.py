@@ -15,6 +15,7 @@ import torch
 
 from router.errors import BatchSizeMismatch, DeviceOutOfMemory, ExecutionTimeout, ModelError
 from router.sdk.plugin import MemoryEstimate, ModelPlugin, Payload, PluginContext
+from router.serving.hooks import INLINE_AFTER_CALLS, TRY_INLINE_BELOW_S
 from router.serving.instance import InstanceState, ModelInstance, is_out_of_memory
 from tests.outcomes import HeardTicket
 
@@ -208,3 +209,57 @@ async def test_a_batch_past_its_execution_timeout_fences_the_instance_until_its_
     await run(instance, after)
     assert after[0].future.result() == "after"
     instance.shutdown()
+
+
+# -- where a batch runs -------------------------------------------------------------------------
+
+
+async def _batch_threads(instance: ModelInstance, batches: int) -> list[bool]:
+    """Run `batches` batches; whether each ran on the event loop's thread."""
+    loop_thread = threading.get_ident()
+    where: list[bool] = []
+    instance.plugin.behaviour = lambda items: where.append(threading.get_ident() == loop_thread) or items  # type: ignore[attr-defined]
+    for index in range(batches):
+        await run(instance, tickets(f"r{index}"))
+    return where
+
+
+async def test_a_cheap_batch_on_the_cpu_runs_on_the_event_loop_once_timed_on_its_thread() -> None:
+    instance, _ = ready_instance(list)
+    where = await _batch_threads(instance, 200)
+    instance.shutdown()
+    assert not any(where[:INLINE_AFTER_CALLS])  # timed on the instance's thread first
+    assert where[-1] and sum(where) > 150
+
+
+async def test_a_dear_batch_never_runs_on_the_event_loop() -> None:
+    instance, _ = ready_instance(list)
+    loop_thread = threading.get_ident()
+    where: list[bool] = []
+
+    def dear(items: list[Any]) -> list[Any]:
+        where.append(threading.get_ident() == loop_thread)
+        threading.Event().wait(TRY_INLINE_BELOW_S * 2)  # over the try threshold, on any machine
+        return items
+
+    instance.plugin.behaviour = dear  # type: ignore[attr-defined]
+    for index in range(2 * INLINE_AFTER_CALLS):
+        await run(instance, tickets(f"r{index}"))
+    instance.shutdown()
+    assert len(where) == 2 * INLINE_AFTER_CALLS and not any(where)
+
+
+class OwnThread(Scripted):
+    predict_on_own_thread = True
+
+
+@pytest.mark.parametrize("device, plugin_cls", [("cuda:0", Scripted), ("cpu", OwnThread)])
+async def test_a_batch_stays_on_its_thread_off_the_cpu_or_when_its_plugin_asks(device: str,
+                                                                               plugin_cls: type[Scripted]) -> None:
+    instance = ModelInstance("m", 0, device, plugin_cls(list), execution_timeout_s=5.0)
+    instance.begin_load()
+    instance.begin_warmup()
+    instance.mark_ready(MemoryEstimate(0, 0), 8)
+    where = await _batch_threads(instance, 100)
+    instance.shutdown()
+    assert len(where) == 100 and not any(where)

@@ -199,8 +199,16 @@ class DeviceScheduler:
             self.probe.close()
 
     def notify(self) -> None:
-        """Something changed: a ticket arrived, a batch finished, an instance became ready."""
-        self._event.set()
+        """Something changed: a ticket arrived, a batch finished, an instance became ready. The loop
+        steps only if a step could act: an item waits on the device, or a member is not steady (a
+        residency decision may be due). A batch that ends with nothing queued, or a request that
+        lets go of a steady model, wakes nothing (the loop's timer still refreshes the idle probe)."""
+        if not self._event.is_set() and (self._stopping or self._has_work()):
+            self._event.set()
+
+    def _has_work(self) -> bool:
+        deciding = self._actions is not None  # residency is decided here (as in `_plan_residency`)
+        return any(model.queue.depth or deciding and not model.steady(runner) for model, runner in self._members)
 
     @property
     def running_batches(self) -> int:

@@ -139,6 +139,11 @@ class ModelPlugin(ABC, Generic[OptionsT]):
     #: Whether `preprocess` (and so `postprocess`) needs the loaded model. With `workers: N` such a
     #: plugin's hooks run in the engine process, beside it, and fronts send it the raw body.
     preprocess_needs_model: ClassVar[bool] = False
+    #: Whether `predict_batch` always runs on the instance's own thread. By default a batch on the
+    #: CPU that costs under 100 us on the event loop runs there, without the hand-off to the
+    #: thread and back; set True for a `predict_batch` that reads thread-local state `load` set,
+    #: or that may wait on I/O or a lock.
+    predict_on_own_thread: ClassVar[bool] = False
 
     def __init__(self, options: OptionsT, context: PluginContext) -> None:
         self.options = options

@@ -7,15 +7,16 @@ ones (under load that queue made answers seconds late). A plugin in its own proc
 (`isolation: process`) is awaited (`RemotePlugin.acall`): a child that stops answering then holds
 no thread that other models need.
 
-Handing a call to a pool thread and back costs the event loop some 30 to 60 us here (a future, a
-wake-up of the thread, a wake-up of the loop). A hook that costs a few microseconds (a JSON field,
-a dict, a short JSON body made a tensor) is cheaper to run in place, and its request skips two
-thread wake-ups. So each model's hooks are timed where they run, and an in-process hook whose mean
-on the loop is under `INLINE_BELOW_S` runs there; one that gets dearer goes back to its pool at
-its next call. A pool thread's timing counts its waits for the GIL, which grow with the load, so
-it only says whether a hook is worth trying on the loop: under `TRY_INLINE_BELOW_S` it runs there
-once, and again every `RETRY_INLINE_EVERY` calls while it stays on the pool. Image decoding
-(milliseconds) never runs on the loop.
+Handing a call to a thread and back costs the event loop some 30 to 60 us here (a future, a
+wake-up of the thread, a wake-up of the loop), and the request two wake-ups. A call that costs
+about that much (a JSON field, a short JSON body made a tensor, a small CPU model's batch) is
+cheaper to run in place. So each call is timed where it runs (`CallCost`): one whose mean on its
+thread is under `TRY_INLINE_BELOW_S` is tried on the event loop, and stays there while its mean
+there is under its mean on the thread plus the hand-off (`HAND_OFF_S`), and under
+`TRY_INLINE_BELOW_S`; one that gets dearer goes back to its thread at its next call and is tried
+again `RETRY_INLINE_EVERY` calls later. A thread's timing counts its waits for the GIL, which grow
+with the load: it is what the request waits too. Image decoding (milliseconds) never runs on the
+loop. The same rule places a CPU instance's batches (`router.serving.instance`).
 
 The checks around the hooks are here too: the body's media type on its way in
 (`check_media_type`) and the answer on its way out (`check_answer`). Each raises the RouterError
@@ -38,41 +39,58 @@ from router.errors import DeadlineExceeded, ModelError, RouterError, Unsupported
 from router.sdk.plugin import ModelPlugin, Payload
 from router.serving.isolation import RemotePlugin
 
-__all__ = ["INLINE_AFTER_CALLS", "INLINE_BELOW_S", "RETRY_INLINE_EVERY", "TRY_INLINE_BELOW_S", "HookCost", "HookRunner",
-           "check_answer", "check_media_type"]
+__all__ = ["HAND_OFF_S", "INLINE_AFTER_CALLS", "RETRY_INLINE_EVERY", "TRIAL_CALLS", "TRY_ENDS_ABOVE_S",
+           "TRY_INLINE_BELOW_S", "CallCost", "HookRunner", "check_answer", "check_media_type"]
 
 log = logging.getLogger("router.serving.runtime")  # the request path's logger, as before these hooks moved here
 T = TypeVar("T")
-#: A hook whose calls on the event loop average less than this runs there.
-INLINE_BELOW_S = 100e-6
-#: A hook whose calls on a pool average less than this is tried on the event loop.
+#: What handing a call to a thread and back costs the event loop (30 to 60 us here).
+HAND_OFF_S = 50e-6
+#: A call whose mean on its thread is less than this is tried on the event loop; on the loop, a
+#: mean over it sends the call back to its thread.
 TRY_INLINE_BELOW_S = 250e-6
-#: Calls timed on a pool before a hook is first tried on the event loop.
+#: Calls timed on a thread before a call is first tried on the event loop.
 INLINE_AFTER_CALLS = 8
-#: Calls on a pool between two tries on the event loop of a hook found too dear there.
+#: Calls on a thread between two tries on the event loop of a call found too dear there.
 RETRY_INLINE_EVERY = 256
+#: The most calls one try on the event loop lasts before its mean decides.
+TRIAL_CALLS = 8
+#: A call of a try on the event loop that takes longer than this ends the try at once.
+TRY_ENDS_ABOVE_S = 1e-3
 DOING = {"preprocess": "preparing the input", "postprocess": "preparing the answer"}
 _JSON_SCALARS = (str, int, bool, type(None))
 
 
-class HookCost:
-    """One hook's duration where it runs: a decaying mean (a tenth of each new call) on the event
-    loop and one on its pool. Updated from pool threads too: an estimate, not an account."""
+class CallCost:
+    """One call's duration where it runs (a model's hook, or a CPU instance's batch): a mean on the
+    event loop and a decaying mean (a tenth of each new call) on its thread. Updated from those
+    threads too: an estimate, not an account.
 
-    __slots__ = ("inline_s", "pooled_calls", "pooled_s", "since_inline")
+    A try on the loop is judged by its own calls, up to `TRIAL_CALLS` of them (their mean): the
+    first calls there after a spell on a thread are dearer (caches warmed by the other thread), and
+    a pause the call did not cause (a garbage collection) must not decide alone. A call of the try
+    over `TRY_ENDS_ABOVE_S` ends it at once. After the try, a decaying mean decides."""
+
+    __slots__ = ("inline_s", "pooled_calls", "pooled_s", "since_inline", "trial_left")
 
     def __init__(self) -> None:
         self.inline_s: float | None = None  # None: never run on the loop
         self.pooled_s = 0.0
         self.pooled_calls = 0
-        self.since_inline = 0  # calls on a pool since it last ran on the loop
+        self.since_inline = 0  # calls on a thread since it last ran on the loop
+        self.trial_left = 0  # calls of the current try on the loop still to come
 
     def observe(self, seconds: float, *, inline: bool) -> None:
         if inline:
-            # A first call on the loop after a spell on the pool replaces the old figure: it may
-            # be a pause the hook did not cause (a garbage collection), and one try decides.
-            tried = self.inline_s is None or self.since_inline > 0
-            self.inline_s = seconds if tried else self.inline_s + 0.1 * (seconds - self.inline_s)
+            if self.inline_s is None or self.since_inline > 0:  # a try begins: its own calls judge it
+                self.inline_s, self.trial_left = seconds, TRIAL_CALLS - 1
+            elif self.trial_left > 0:
+                self.inline_s += (seconds - self.inline_s) / (TRIAL_CALLS - self.trial_left + 1)
+                self.trial_left -= 1
+            else:
+                self.inline_s += 0.1 * (seconds - self.inline_s)
+            if seconds >= TRY_ENDS_ABOVE_S:
+                self.trial_left = 0
             self.since_inline = 0
         else:
             self.pooled_s = seconds if self.pooled_calls == 0 else self.pooled_s + 0.1 * (seconds - self.pooled_s)
@@ -82,11 +100,25 @@ class HookCost:
     @property
     def inline(self) -> bool:
         """Whether the next call runs on the event loop."""
-        if self.inline_s is not None and self.since_inline == 0 and self.inline_s < INLINE_BELOW_S:
+        if self.inline_s is not None and self.since_inline == 0 and (self.trial_left > 0 or self.cheap_inline):
             return True
         if self.pooled_calls < INLINE_AFTER_CALLS or self.pooled_s >= TRY_INLINE_BELOW_S:
             return False
         return self.inline_s is None or self.since_inline >= RETRY_INLINE_EVERY
+
+    @property
+    def cheap_inline(self) -> bool:
+        """Its mean on the loop is under its mean on the thread plus the hand-off, and under the cap."""
+        assert self.inline_s is not None
+        return self.inline_s < min(self.pooled_s + HAND_OFF_S, TRY_INLINE_BELOW_S)
+
+    def timed(self, inline: bool, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, its duration observed as a call on the loop (`inline`) or on a thread."""
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.observe(time.perf_counter() - started, inline=inline)
 
 
 class HookRunner:
@@ -95,18 +127,18 @@ class HookRunner:
     def __init__(self, workers: int, *, name: str = "router", clock: Callable[[], float] = time.monotonic) -> None:
         self._cpu = ThreadPoolExecutor(max(1, workers), thread_name_prefix=f"{name}-cpu")
         self._post = ThreadPoolExecutor(max(1, workers // 2), thread_name_prefix=f"{name}-post")
-        self._costs: dict[tuple[str, str], HookCost] = {}
+        self._costs: dict[tuple[str, str], CallCost] = {}
         self._clock = clock
 
     def shutdown(self) -> None:
         self._cpu.shutdown(wait=False, cancel_futures=True)
         self._post.shutdown(wait=False, cancel_futures=True)
 
-    def cost(self, model: str, hook: str) -> HookCost:
+    def cost(self, model: str, hook: str) -> CallCost:
         key = (model, hook)
         cost = self._costs.get(key)
         if cost is None:
-            cost = self._costs[key] = HookCost()
+            cost = self._costs[key] = CallCost()
         return cost
 
     async def run(self, model: str, plugin_name: str, plugin: ModelPlugin[Any], hook: str, *args: Any,
@@ -121,7 +153,7 @@ class HookRunner:
             else:
                 cost = self.cost(model, hook)
                 if cost.inline:
-                    return _timed(cost, True, getattr(plugin, hook), *args)
+                    return cost.timed(True, getattr(plugin, hook), *args)
                 work = self._on(self._post if hook == "postprocess" else self._cpu, cost, getattr(plugin, hook), *args)
             if deadline is None:
                 return await work
@@ -160,7 +192,7 @@ class HookRunner:
         return described
 
     @staticmethod
-    async def _on(pool: ThreadPoolExecutor, cost: HookCost, fn: Any, *args: Any) -> Any:
+    async def _on(pool: ThreadPoolExecutor, cost: CallCost, fn: Any, *args: Any) -> Any:
         """Run fn on `pool`. Work whose request was answered (deadline, client gone) before a thread
         picked it up is skipped, not run for nobody."""
         abandoned = [False]  # a flag, not a threading.Event: set on the loop, read once by the pool thread
@@ -168,7 +200,7 @@ class HookRunner:
         def unless_abandoned() -> Any:
             if abandoned[0]:
                 raise asyncio.CancelledError
-            return _timed(cost, False, fn, *args)
+            return cost.timed(False, fn, *args)
 
         try:
             return await asyncio.get_running_loop().run_in_executor(pool, unless_abandoned)
@@ -176,13 +208,6 @@ class HookRunner:
             abandoned[0] = True
             raise
 
-
-def _timed(cost: HookCost, inline: bool, fn: Callable[..., T], *args: Any) -> T:
-    started = time.perf_counter()
-    try:
-        return fn(*args)
-    finally:
-        cost.observe(time.perf_counter() - started, inline=inline)
 
 def check_media_type(model: str, accepts: Sequence[str], payload: Payload) -> None:
     """415 for a media type the model's plugin does not accept."""

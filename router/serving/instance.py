@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import sys
 import time
@@ -29,6 +30,7 @@ from router.errors import (
 from router.scheduling.queue import BatchResult, Ticket
 from router.scheduling.service_time import BatchTime, InstanceLoad
 from router.sdk.plugin import MemoryEstimate, ModelPlugin
+from router.serving.hooks import CallCost
 
 __all__ = ["InstanceState", "ModelInstance", "is_out_of_memory"]
 
@@ -119,6 +121,8 @@ class ModelInstance:
         self._on_batch = on_batch
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"model-{self.key}")
         self._inflight: asyncio.Future[Any] | None = None
+        # A CPU batch's cost on the loop and on the thread: one that is cheap on the loop runs there.
+        self._batch_cost = CallCost() if device == "cpu" and not plugin.predict_on_own_thread else None
         self.changes = 0  # counts what its forecast depends on: state, running batch, timings
         self._uses = 0  # hooks running on its plugin (pre- and postprocessing), and answers not yet postprocessed
         self._unused = asyncio.Event()
@@ -301,12 +305,28 @@ class ModelInstance:
         if self._inflight is not None and not self._inflight.done():
             raise ExecutionTimeout(f"model {self.model!r} instance {self.index} is stalled by an earlier batch")
         started = self._clock()
+        cost = self._batch_cost
+        if cost is not None and cost.inline:  # cheap on the loop: no hand-off to the thread and back
+            outputs = cost.timed(True, self.plugin.predict_batch, items)
+        else:
+            outputs = await self._on_thread(items, cost)
+        elapsed = self._clock() - started
+        self.batches += 1
+        self.times.observe(len(items), elapsed, self._clock())
+        self.changes += 1
+        if self._on_batch is not None:
+            self._on_batch(self.model, len(items), elapsed)
+        return outputs  # type: ignore[no-any-return]
+
+    async def _on_thread(self, items: list[Any], cost: CallCost | None) -> Sequence[Any]:
+        """The batch on the instance's thread, fenced if it overruns the execution timeout."""
+        fn = self.plugin.predict_batch if cost is None else functools.partial(cost.timed, False, self.plugin.predict_batch)
         # On the loop's executor path like every other call to this thread, so the clock that
         # times the batch (an injected one in tests) also sees it run.
-        inflight = asyncio.get_running_loop().run_in_executor(self._executor, self.plugin.predict_batch, items)
+        inflight = asyncio.get_running_loop().run_in_executor(self._executor, fn, items)
         self._inflight = inflight
         try:
-            outputs = await asyncio.wait_for(asyncio.shield(inflight), self.execution_timeout_s)
+            return await asyncio.wait_for(asyncio.shield(inflight), self.execution_timeout_s)  # type: ignore[no-any-return]
         except TimeoutError:
             log.error("model %s instance %d: batch exceeded %.3fs; instance fenced until it returns",
                       self.model, self.index, self.execution_timeout_s)
@@ -316,13 +336,6 @@ class ModelInstance:
             raise ExecutionTimeout(
                 f"model {self.model!r} execution exceeded its timeout of {self.execution_timeout_s:.3f}s"
             ) from None
-        elapsed = self._clock() - started
-        self.batches += 1
-        self.times.observe(len(items), elapsed, self._clock())
-        self.changes += 1
-        if self._on_batch is not None:
-            self._on_batch(self.model, len(items), elapsed)
-        return outputs  # type: ignore[no-any-return]
 
     def _stalled_batch_returned(self, batch: asyncio.Future[Any]) -> None:
         if not batch.cancelled():

@@ -105,6 +105,7 @@ class RemotePlugin(ModelPlugin[BaseModel]):
     """A plugin whose object lives in a child process from `load` to `unload`."""
 
     torch_memory: ClassVar[bool] = False  # its memory is in another process: no in-process profiling
+    predict_on_own_thread: ClassVar[bool] = True  # a batch waits on the child: never on the event loop
 
     def __init__(self, cls: type[ModelPlugin[Any]], options: BaseModel, context: PluginContext, *,
                  call_timeout_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:

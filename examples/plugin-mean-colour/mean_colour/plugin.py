@@ -66,7 +66,7 @@ class MeanColourPlugin(ModelPlugin[MeanColourOptions]):
         return Sampled(rgb[rows][:, cols], width, height)
 
     def predict_batch(self, items: Sequence[Sampled]) -> list[np.ndarray]:
-        """On the instance's own thread, one batch at a time: one output per item, in order."""
+        """One batch at a time (on the instance's thread, or the loop when cheap): one output per item, in order."""
         assert self.weights is not None, "load() runs before any batch"
         batch = np.stack([item.grid for item in items]).reshape(len(items), SIDE * SIDE, 3).astype(np.float64)
         means = (batch * self.weights).sum(axis=1)  # (n, 3)
