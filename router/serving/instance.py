@@ -1,6 +1,8 @@
 """A model instance: one plugin object on one device, with a dedicated executor thread.
 
-The instance runs one batch at a time. For every ticket it is handed it returns, in a
+The instance runs one batch at a time, on its thread; on the CPU, a batch that costs the event
+loop about what handing it to the thread and back would runs on the loop instead (the rule that
+places hooks, `router.serving.hooks.CallCost`), unless its plugin says `predict_on_own_thread`. For every ticket it is handed it returns, in a
 `BatchResult`, an output or a RouterError (model error 500, out-of-memory 503, execution
 timeout 504); its scheduler resolves the tickets from it.
 
@@ -316,7 +318,7 @@ class ModelInstance:
         self.changes += 1
         if self._on_batch is not None:
             self._on_batch(self.model, len(items), elapsed)
-        return outputs  # type: ignore[no-any-return]
+        return outputs
 
     async def _on_thread(self, items: list[Any], cost: CallCost | None) -> Sequence[Any]:
         """The batch on the instance's thread, fenced if it overruns the execution timeout."""
