@@ -14,6 +14,7 @@ import time
 from router.serving.hooks import (
     HAND_OFF_S,
     INLINE_AFTER_CALLS,
+    INLINE_BELOW_S,
     RETRY_INLINE_EVERY,
     TRIAL_CALLS,
     TRY_ENDS_ABOVE_S,
@@ -123,7 +124,7 @@ def test_a_call_that_costs_the_loop_more_than_the_thread_and_the_hand_off_goes_b
     cost = CallCost()
     _pooled(cost, 80e-6, INLINE_AFTER_CALLS)
     seconds = 80e-6 + HAND_OFF_S + 20e-6  # under the cap, over the thread's mean and the hand-off
-    assert seconds < TRY_INLINE_BELOW_S
+    assert INLINE_BELOW_S < seconds < TRY_INLINE_BELOW_S
     for _ in range(TRIAL_CALLS):
         assert cost.inline
         cost.observe(seconds, inline=True)
@@ -141,3 +142,13 @@ def test_a_call_under_its_threads_mean_plus_the_hand_off_and_under_the_cap_stays
         assert cost.inline
     cost.observe(5e-3, inline=True)  # then a call dearer than the cap pulls its mean over it
     assert not cost.inline
+
+
+def test_a_call_under_a_tenth_of_a_millisecond_on_the_loop_stays_there_however_cheap_on_its_thread() -> None:
+    cost = CallCost()
+    _pooled(cost, 4e-6, INLINE_AFTER_CALLS)  # a JSON field: a few microseconds on its thread
+    for _ in range(TRIAL_CALLS):
+        cost.observe(INLINE_BELOW_S * 0.9, inline=True)  # a garbage collection's share, say
+    assert cost.inline  # over the thread's mean plus the hand-off, under INLINE_BELOW_S
+    cost.observe(INLINE_BELOW_S * 3, inline=True)
+    assert not cost.inline  # its mean went over both

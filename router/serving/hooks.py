@@ -12,9 +12,9 @@ wake-up of the thread, a wake-up of the loop), and the request two wake-ups. A c
 about that much (a JSON field, a short JSON body made a tensor, a small CPU model's batch) is
 cheaper to run in place. So each call is timed where it runs (`CallCost`): one whose mean on its
 thread is under `TRY_INLINE_BELOW_S` is tried on the event loop, and stays there while its mean
-there is under its mean on the thread plus the hand-off (`HAND_OFF_S`), and under
-`TRY_INLINE_BELOW_S`; one that gets dearer goes back to its thread at its next call and is tried
-again `RETRY_INLINE_EVERY` calls later. A thread's timing counts its waits for the GIL, which grow
+there is under `INLINE_BELOW_S`, or under its mean on the thread plus the hand-off (`HAND_OFF_S`)
+and under `TRY_INLINE_BELOW_S`; one that gets dearer goes back to its thread at its next call and
+is tried again `RETRY_INLINE_EVERY` calls later. A thread's timing counts its waits for the GIL, which grow
 with the load: it is what the request waits too. Image decoding (milliseconds) never runs on the
 loop. The same rule places a CPU instance's batches (`router.serving.instance`).
 
@@ -39,11 +39,13 @@ from router.errors import DeadlineExceeded, ModelError, RouterError, Unsupported
 from router.sdk.plugin import ModelPlugin, Payload
 from router.serving.isolation import RemotePlugin
 
-__all__ = ["HAND_OFF_S", "INLINE_AFTER_CALLS", "RETRY_INLINE_EVERY", "TRIAL_CALLS", "TRY_ENDS_ABOVE_S",
+__all__ = ["HAND_OFF_S", "INLINE_AFTER_CALLS", "INLINE_BELOW_S", "RETRY_INLINE_EVERY", "TRIAL_CALLS", "TRY_ENDS_ABOVE_S",
            "TRY_INLINE_BELOW_S", "CallCost", "HookRunner", "check_answer", "check_media_type"]
 
 log = logging.getLogger("router.serving.runtime")  # the request path's logger, as before these hooks moved here
 T = TypeVar("T")
+#: A call whose mean on the event loop is less than this stays there, whatever its thread's.
+INLINE_BELOW_S = 100e-6
 #: What handing a call to a thread and back costs the event loop (30 to 60 us here).
 HAND_OFF_S = 50e-6
 #: A call whose mean on its thread is less than this is tried on the event loop; on the loop, a
@@ -108,9 +110,10 @@ class CallCost:
 
     @property
     def cheap_inline(self) -> bool:
-        """Its mean on the loop is under its mean on the thread plus the hand-off, and under the cap."""
+        """Its mean on the loop is under `INLINE_BELOW_S`, or under its mean on the thread plus the
+        hand-off and under the cap."""
         assert self.inline_s is not None
-        return self.inline_s < min(self.pooled_s + HAND_OFF_S, TRY_INLINE_BELOW_S)
+        return self.inline_s < max(INLINE_BELOW_S, min(self.pooled_s + HAND_OFF_S, TRY_INLINE_BELOW_S))
 
     def timed(self, inline: bool, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)`, its duration observed as a call on the loop (`inline`) or on a thread."""
