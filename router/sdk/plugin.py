@@ -140,9 +140,9 @@ class ModelPlugin(ABC, Generic[OptionsT]):
     #: plugin's hooks run in the engine process, beside it, and fronts send it the raw body.
     preprocess_needs_model: ClassVar[bool] = False
     #: Whether `predict_batch` always runs on the instance's own thread. By default a batch on the
-    #: CPU that costs under 100 us on the event loop runs there, without the hand-off to the
-    #: thread and back; set True for a `predict_batch` that reads thread-local state `load` set,
-    #: or that may wait on I/O or a lock.
+    #: CPU that costs the event loop about what handing it to the thread and back would runs on the
+    #: loop (docs/plugins.md); set True for a `predict_batch` that reads thread-local state `load`
+    #: set, or that may wait on I/O or a lock.
     predict_on_own_thread: ClassVar[bool] = False
 
     def __init__(self, options: OptionsT, context: PluginContext) -> None:
