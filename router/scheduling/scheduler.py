@@ -207,8 +207,12 @@ class DeviceScheduler:
             self._event.set()
 
     def _has_work(self) -> bool:
-        deciding = self._actions is not None  # residency is decided here (as in `_plan_residency`)
-        return any(model.queue.depth or deciding and not model.steady(runner) for model, runner in self._members)
+        return any(model.queue.depth for model, _ in self._members) or not self._residency_quiet()
+
+    def _residency_quiet(self) -> bool:
+        """Nothing for residency to decide here: it is not decided on this device, or every member
+        is steady (its plan would be empty)."""
+        return self._actions is None or all(model.steady(runner) for model, runner in self._members)
 
     @property
     def running_batches(self) -> int:
@@ -358,9 +362,7 @@ class DeviceScheduler:
     def _plan_residency(self) -> float | None:
         """Plan loads and evictions and hand them to the serving layer. Returns when an idle
         model next falls due for unloading, if any does."""
-        if self._actions is None:
-            return None
-        if all(model.steady(runner) for model, runner in self._members):  # the plan would be empty
+        if self._actions is None or self._residency_quiet():
             return None
         now = self.clock()
         occupants = [model.occupant(runner, now) for model, runner in self._members]
