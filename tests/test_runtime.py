@@ -202,7 +202,27 @@ async def test_a_batch_still_running_at_the_deadline_is_504_then_not_a_late_answ
         # and its instance is free again (the plugin records before the loop sees the batch end:
         # a request in that gap is doomed at dispatch by the 2 s batch just timed)
         await until(lambda: not any(i.busy for i in runtime.core.deployments["m"].instances))
+        # the answer that came late ended its use of the instance: nothing holds it loaded
+        await asyncio.wait_for(runtime.core.deployments["m"].instances[0].until_unused(), 5)
         assert (await runtime.submit("m", ask("after"), timeout_ms=1000)).output["id"] == "after"
+
+
+async def test_a_caller_gone_while_its_batch_runs_leaves_no_use_of_the_instance(tmp_path: Path) -> None:
+    """Cancelled while its batch runs: the batch goes on, and its answer, which nobody reads,
+    ends its use of the instance (an unload would wait for it for ever otherwise)."""
+    record = tmp_path / "batches.jsonl"
+    fleet = ("models:\n  m: {plugin: scripted, options: {hang_on: slow, hang_ms: 300, "
+             f"record: '{record}'}}, batch: {{max_size: 1}}}}\n")
+    async with running(make_runtime(tmp_path, fleet)) as runtime:
+        caller = asyncio.create_task(runtime.submit("m", ask("slow"), timeout_ms=5000))
+        await until(lambda: busy(runtime))
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        await until(lambda: executed(record) == [["slow"]])
+        instance = runtime.core.deployments["m"].instances[0]
+        await asyncio.wait_for(instance.until_unused(), 5)
+        assert (await runtime.submit("m", ask("after"))).output["id"] == "after"
 
 
 async def test_model_error_answers_500_and_keeps_the_model_serving(tmp_path: Path) -> None:

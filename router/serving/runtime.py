@@ -398,8 +398,8 @@ class Runtime:
                                             payload, deadline=deadline)
             finally:
                 front.end_use()
-            reply: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
-            ticket = self.intake.enqueue(accepted, item, reply.set_result, request_id, len(payload.body),
+            reply: asyncio.Future[Outcome | None] = asyncio.get_running_loop().create_future()
+            ticket = self.intake.enqueue(accepted, item, partial(_deliver, reply), request_id, len(payload.body),
                                          trace=trace.ref if trace is not None else None)
         except BaseException:
             self.intake.unreserve(accepted)
@@ -428,7 +428,7 @@ class Runtime:
         return Answer(request_id, deployment.name, result, wait, batch.size, batch.execution_s,
                       batch.memory_delta_bytes, described)
 
-    async def _served(self, accepted: Accepted, ticket: Ticket, reply: asyncio.Future[Outcome],
+    async def _served(self, accepted: Accepted, ticket: Ticket, reply: asyncio.Future[Outcome | None],
                       trace: Phases | None) -> Served:
         """The ticket's outcome when it is served; the error that answers it otherwise."""
         try:
@@ -469,31 +469,46 @@ class Runtime:
         if self.intake.closing:
             raise ShuttingDown(SHUTTING_DOWN.detail, retry_after_s=SHUTTING_DOWN.retry_after_s)
 
-    async def _await_ticket(self, accepted: Accepted, ticket: Ticket, reply: asyncio.Future[Outcome]) -> Outcome:
+    async def _await_ticket(self, accepted: Accepted, ticket: Ticket, reply: asyncio.Future[Outcome | None]) -> Outcome:
         """Wait for the ticket's outcome, up to its deadline: then a ticket still queued is withdrawn
-        (it never runs), and one whose batch is running gets 504 all the same; no answer comes late."""
+        (it never runs), and one whose batch is running gets 504 all the same; no answer comes late.
+
+        The reply is resolved once, by whichever comes first: the outcome, or the deadline's timer
+        (with None). An outcome that finds it resolved (or cancelled with its caller) only ends its
+        lease. One future and one timer, so the answer wakes the request in one turn of the loop."""
+        timer = asyncio.get_running_loop().call_later(max(0.0, ticket.deadline - self.clock()), _deliver, reply, None)
         try:
-            remaining = max(0.0, ticket.deadline - self.clock())
-            try:
-                return await asyncio.wait_for(asyncio.shield(reply), remaining)
-            except TimeoutError:
-                _abandon(ticket, reply)
-                if self.intake.withdraw(accepted, ticket):
-                    raise expired(accepted) from None
-                # Running: the deadline still holds. The batch goes on; this input's answer is dropped.
-                raise DeadlineExceeded(f"deadline passed after {_budget_ms(accepted)} ms while the batch of model "
-                                       f"{accepted.admission.model!r} holding this input ran") from None
+            outcome = await reply
         except asyncio.CancelledError:
             _abandon(ticket, reply)
             self.intake.withdraw(accepted, ticket)  # the caller went away: never run it
             raise
+        finally:
+            timer.cancel()
+        if outcome is not None:
+            return outcome
+        _abandon(ticket, reply)
+        if self.intake.withdraw(accepted, ticket):
+            raise expired(accepted)
+        # Running: the deadline still holds. The batch goes on; this input's answer is dropped.
+        raise DeadlineExceeded(f"deadline passed after {_budget_ms(accepted)} ms while the batch of model "
+                               f"{accepted.admission.model!r} holding this input ran")
 
 
-def _abandon(ticket: Ticket, reply: asyncio.Future[Outcome]) -> None:
+def _deliver(reply: asyncio.Future[Outcome | None], outcome: Outcome | None) -> None:
+    """Resolve a request's reply with its ticket's outcome, or None at its deadline; the first
+    stands, and an outcome that comes second (or to a caller gone) only ends its lease."""
+    if not reply.done():
+        reply.set_result(outcome)
+    elif outcome is not None:
+        end_lease(outcome)
+
+
+def _abandon(ticket: Ticket, reply: asyncio.Future[Outcome | None]) -> None:
     """Nobody will read this ticket's outcome: one that came already, or that comes later, ends its lease."""
     ticket.abandon()
-    if reply.done():
-        end_lease(reply.result())
+    if reply.done() and not reply.cancelled() and (outcome := reply.result()) is not None:
+        end_lease(outcome)
 
 
 def _budget_ms(accepted: Accepted) -> str:
