@@ -1,5 +1,6 @@
 """The connection's early refusal: the screen as a function of (method, URL, headers) over a
-recording façade, and the protocol's fallback to the app when a screen fails, on a real uvicorn."""
+recording façade, and the protocol's fallback to the app when a screen fails, on a real uvicorn;
+and the answer's head and body written as one."""
 
 from __future__ import annotations
 
@@ -138,11 +139,11 @@ def refusing_screen(method: bytes, url: bytes, fields: Sequence[tuple[bytes, byt
 
 
 @contextmanager
-def running(screen_fn: Any) -> Iterator[str]:
-    """uvicorn on a loopback port with the guarded protocol and `screen_fn`, in a thread."""
+def running(screen_fn: Any, protocol: type[Any] | None = None) -> Iterator[str]:
+    """uvicorn on a loopback port with the guarded protocol and `screen_fn` (or `protocol`), in a thread."""
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="off", access_log=False,
-                            http=guarded_protocol(HttpLimits(), screen_fn), ws="none")
+                            http=protocol or guarded_protocol(HttpLimits(), screen_fn), ws="none")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -161,16 +162,20 @@ def exchange(address: str, raw: bytes, replies: int) -> list[tuple[int, bytes]]:
     host, port = address.split(":")
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         sock.sendall(raw)
-        stream = sock.makefile("rb")
-        out = []
-        for _ in range(replies):
-            status = int(stream.readline().split()[1])
-            length = 0
-            while (line := stream.readline()) != b"\r\n":
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":")[1])
-            out.append((status, stream.read(length)))
-        return out
+        return exchange_on(sock.makefile("rb"), replies)
+
+
+def exchange_on(stream: Any, replies: int) -> list[tuple[int, bytes]]:
+    """`replies` answers read from a connection's stream: (status, body) each."""
+    out = []
+    for _ in range(replies):
+        status = int(stream.readline().split()[1])
+        length = 0
+        while (line := stream.readline()) != b"\r\n":
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        out.append((status, stream.read(length)))
+    return out
 
 
 def post(path: str, body: bytes) -> bytes:
@@ -198,3 +203,57 @@ def test_a_request_the_screen_passed_reaches_the_app_marked_checked() -> None:
         replies = exchange(address, post("/pass", b"p" * 10) + post("/other", b"o"), 2)
     assert [json.loads(body) for _, body in replies] == [{"app": True, "bytes": 10, "checked": True},
                                                          {"app": True, "bytes": 1, "checked": False}]
+
+
+# -- the answer in one write ------------------------------------------------------------------------
+
+
+class Recorded:
+    """The connection's real transport, with each write recorded on its way through."""
+
+    def __init__(self, transport: Any, writes: list[bytes]) -> None:
+        self.transport, self.writes = transport, writes
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+        self.transport.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
+def recording_protocol(writes: list[bytes]) -> type[Any]:
+    class Recording(guarded_protocol(HttpLimits(), refusing_screen)):  # type: ignore[misc]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(Recorded(transport, writes))
+
+    return Recording
+
+
+def test_an_answers_head_and_body_go_out_in_one_write() -> None:
+    """uvicorn writes a head, then the body: two writes, two segments, two wakes of the client.
+    The guarded protocol holds the head for the body's write; pipelined answers stay in order."""
+    writes: list[bytes] = []
+    with running(None, recording_protocol(writes)) as address:
+        replies = exchange(address, post("/a", b"1" * 10) + post("/b", b"2" * 20), 2)
+    assert [json.loads(body)["bytes"] for _, body in replies] == [10, 20]
+    assert len(writes) == 2, writes
+    for write, size in zip(writes, (10, 20), strict=True):
+        assert write.startswith(b"HTTP/1.1 200 OK\r\n") and write.endswith(b'"bytes": %d, "checked": false}' % size)
+
+
+def test_a_head_requests_answer_is_its_head_alone() -> None:
+    """No body is written for HEAD: its head goes out as it comes, and the next answer follows it."""
+    writes: list[bytes] = []
+    with running(None, recording_protocol(writes)) as address:
+        host, port = address.split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as sock:
+            sock.sendall(b"HEAD /a HTTP/1.1\r\nHost: x\r\n\r\n" + post("/b", b"xyz"))
+            stream = sock.makefile("rb")
+            head = [stream.readline()]
+            while head[-1] != b"\r\n":
+                head.append(stream.readline())
+            [(status, body)] = exchange_on(stream, 1)
+    assert head[0].startswith(b"HTTP/1.1 200") and any(line.startswith(b"content-length: ") for line in head)
+    assert status == 200 and json.loads(body)["bytes"] == 3
+    assert writes[0].endswith(b"\r\n\r\n") and b"bytes" not in writes[0]

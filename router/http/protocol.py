@@ -104,7 +104,44 @@ class _Refused(Exception):
         self.status, self.detail = status, detail
 
 
-class _ContinueCycle(RequestResponseCycle):
+class _HeadWithBody:
+    """The cycle's transport from a response's head to its first body write: the head is held and
+    goes out with that write, one write and one segment where uvicorn makes two (a client then
+    reads its answer in one wake). Anything else (a close after an error) sends the head first."""
+
+    __slots__ = ("cycle", "head", "transport")
+
+    def __init__(self, cycle: RequestResponseCycle, transport: asyncio.Transport) -> None:
+        self.cycle, self.transport, self.head = cycle, transport, b""
+
+    def write(self, data: bytes) -> None:
+        if not self.head:  # the head itself
+            self.head = data
+            return
+        self.cycle.transport = self.transport
+        self.transport.write(self.head + data)
+
+    def close(self) -> None:
+        self.cycle.transport = self.transport
+        if self.head:
+            self.transport.write(self.head)
+        self.transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
+class _OneWriteCycle(RequestResponseCycle):
+    """A request whose answer's head and body go out in one write (`_HeadWithBody`); a HEAD
+    request's answer has no body write, so its head is written as it comes."""
+
+    async def send(self, message: Any) -> None:
+        if message["type"] == "http.response.start" and not self.response_started:
+            self.transport = _HeadWithBody(self, self.transport)  # type: ignore[assignment]
+        await super().send(message)
+
+
+class _ContinueCycle(_OneWriteCycle):
     """A request sent with `Expect: 100-continue`. If the app answers before it asked for the body
     (no 100 was sent), the client may never send that body, and whatever it sends next would be
     read as the body: the connection closes after the answer (RFC 9110 §10.1.1)."""
@@ -308,8 +345,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             state[SCREENED] = answer
         state[WATCH_LOSS] = self._loss
         super().on_headers_complete()
-        if self.cycle is not None and self.cycle.waiting_for_100_continue:
-            self.cycle.__class__ = _ContinueCycle
+        if self.cycle is not None and self.scope["method"] != "HEAD":
+            self.cycle.__class__ = _ContinueCycle if self.cycle.waiting_for_100_continue else _OneWriteCycle
 
     def on_chunk_header(self) -> None:
         self._in_trailers = True  # until chunk data arrives: after the last chunk, trailers follow
