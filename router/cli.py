@@ -82,7 +82,7 @@ def serve_one_process(args: argparse.Namespace) -> int:
     from router.logs import configure_logging
     from router.pipelines import PipelineRunner
     from router.serving.runtime import in_process
-    from router.serving.threads import apply_threads, available_cores, count_threads
+    from router.serving.threads import apply_threads, available_cores, count_threads, settle_collector
     from router.tracing import tracing_from_environment
 
     try:
@@ -93,6 +93,7 @@ def serve_one_process(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level, settings.log_format)
     threads = count_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
     apply_threads(threads)
+    settle_collector()
     runtime = in_process(plan, cpu_workers=threads.cpu_workers, tracing=tracing)
     shared_memory = SharedMemoryRegistry.from_settings(settings)
     pipelines = PipelineRunner(runtime)  # one runner for every front of this process: HTTP and gRPC

@@ -1,12 +1,22 @@
-"""The thread plan: what the CPU pool, torch and OpenCV get, from the cores and the settings."""
+"""The thread plan: what the CPU pool, torch and OpenCV get, from the cores and the settings; and
+the cyclic collector of a serving process."""
 
 from __future__ import annotations
+
+import gc
 
 import cv2
 import pytest
 import torch
 
-from router.serving.threads import ThreadCounts, apply_threads, available_cores, count_threads
+from router.serving.threads import (
+    YOUNG_OBJECTS_PER_COLLECTION,
+    ThreadCounts,
+    apply_threads,
+    available_cores,
+    count_threads,
+    settle_collector,
+)
 
 
 @pytest.mark.parametrize("cores, workers, torch_threads, expected", [
@@ -31,3 +41,15 @@ def test_opencv_decodes_single_threaded_inside_a_pool_thread() -> None:
     from router.sdk.images import _cv2
 
     assert _cv2() is cv2 and cv2.getNumThreads() == 1
+
+
+def test_a_serving_process_collects_its_youngest_generation_less_often() -> None:
+    """Above what the requests in flight hold alive; the older generations keep Python's ratios."""
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        settle_collector()
+        assert gc.get_threshold() == (YOUNG_OBJECTS_PER_COLLECTION, 10, 10)
+        assert YOUNG_OBJECTS_PER_COLLECTION > 700
+    finally:
+        gc.set_threshold(*before)

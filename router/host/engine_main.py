@@ -27,7 +27,7 @@ from router.http.metrics import RouterMetrics
 from router.logs import configure_logging
 from router.serving.plan import load_plan
 from router.serving.runtime import Runtime
-from router.serving.threads import apply_threads, available_cores, count_threads
+from router.serving.threads import apply_threads, available_cores, count_threads, settle_collector
 from router.tracing import tracing_from_environment
 
 __all__ = ["EngineEvents", "main"]
@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log_level, settings.log_format, role="engine")
     threads = count_threads(available_cores(), settings.cpu_workers, settings.torch_threads)
     apply_threads(threads)
+    settle_collector()
     metrics = RouterMetrics()
     runtime = Runtime(plan, cpu_workers=threads.cpu_workers, telemetry=EngineEvents(metrics), tracing=tracing)
     run = _serve(runtime, metrics, args.socket, args.epoch, settings.drain_timeout_s, args.board_fd)

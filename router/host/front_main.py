@@ -29,7 +29,7 @@ from router.inference_protocol.shared_memory import SharedMemoryRegistry
 from router.logs import configure_logging
 from router.pipelines import PipelineRunner
 from router.serving.facade import Serving
-from router.serving.threads import available_cores
+from router.serving.threads import available_cores, settle_collector
 from router.tracing import tracing_from_environment
 
 __all__ = ["listening_socket", "main"]
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model-router front {args.index}: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_format, role=f"front {args.index}")
+    settle_collector()
     client = EngineClient(args.socket, args.index, cpu_workers=front_cpu_workers(settings, workers),
                           stale_after_s=settings.engine_stale_s)
     # V2 system shared memory: one table of registrations for every front (the run directory's)

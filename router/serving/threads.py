@@ -8,16 +8,19 @@ only ones a batch uses. OpenCV runs single-threaded inside a pool thread (router
 that when it first imports OpenCV): the pool is the parallelism. `count_threads` is the pure
 decision; `apply_threads` carries it out once, at start, without importing what the fleet's
 plugins did not.
+
+Each serving process also sets its cyclic garbage collector once, at start (`settle_collector`).
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
 from dataclasses import dataclass
 
-__all__ = ["ThreadCounts", "apply_threads", "count_threads"]
+__all__ = ["YOUNG_OBJECTS_PER_COLLECTION", "ThreadCounts", "apply_threads", "count_threads", "settle_collector"]
 
 log = logging.getLogger("router.serving.threads")
 
@@ -53,3 +56,18 @@ def apply_threads(counts: ThreadCounts) -> None:
     if torch is not None:
         torch.set_num_threads(counts.torch_threads)
     log.info("threads: %d core(s); CPU pool %d, torch intra-op %d", counts.cores, counts.cpu_workers, counts.torch_threads)
+
+
+#: New container objects (net of those freed) between two collections of the youngest generation.
+#: Python's default, 700, is below what the requests in flight hold alive: at 64 in flight a
+#: server collected every 30 or so requests, found next to nothing (what a request allocates is
+#: freed by reference counting), and spent 3% of its event loop's time on it. Above the requests in
+#: flight, a collection comes when cyclic garbage has gathered, and still bounds it.
+YOUNG_OBJECTS_PER_COLLECTION = 5000
+
+
+def settle_collector() -> None:
+    """Set the cyclic collector for a serving process: its youngest generation is collected after
+    `YOUNG_OBJECTS_PER_COLLECTION` new objects; the older generations keep Python's ratios."""
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(YOUNG_OBJECTS_PER_COLLECTION, middle, old)
