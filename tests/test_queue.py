@@ -63,8 +63,8 @@ def test_a_batch_result_answers_each_ticket_once_with_the_batch_it_rode() -> Non
                                   for n in ("done", "failed", "x"))
         earlier, error = ModelError("earlier"), ModelError("boom")
         reject(answered, earlier)
-        BatchResult([(done, "out"), (answered, "late")], [(failed, error)], size=3, execution_s=0.25, finished_at=7.5,
-                    memory_delta_bytes=-4).resolve(dispatched_at=7.0)
+        BatchResult([(done, "out"), (answered, "late")], [(failed, error)], size=3, execution_s=0.25,
+                    finished_at=7.5).resolve(dispatched_at=7.0, memory_delta_bytes=-4)
         assert done.future.result() == "out" and done.batch == BatchFacts(3, 7.0, 0.25, 7.5, -4)
         assert failed.future.exception() is error and failed.batch == done.batch
         assert answered.future.exception() is earlier and answered.batch is None  # answered once: the first stands

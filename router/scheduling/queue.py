@@ -148,23 +148,22 @@ def end_lease(outcome: Outcome) -> None:
 @dataclass(frozen=True)
 class BatchResult:
     """What one run of a batch gave (an instance returns it): an output or an error for each
-    ticket that ran, and its timing. Its scheduler adds the memory delta and the span, and
-    resolves the tickets."""
+    ticket that ran, and its timing. Its scheduler resolves the tickets, with the memory delta
+    and the span."""
 
     outputs: Sequence[tuple[Ticket, Any]] = ()
     errors: Sequence[tuple[Ticket, BaseException]] = ()
     size: int = 0
     execution_s: float = 0.0
     finished_at: float = 0.0
-    memory_delta_bytes: int | None = None
-    batch_trace: SpanRef | None = None
     instance: Any = None  # the instance that ran it: it is in use until each answered caller ends its use
 
-    def resolve(self, dispatched_at: float) -> None:
+    def resolve(self, dispatched_at: float, memory_delta_bytes: int | None = None,
+                batch_trace: SpanRef | None = None) -> None:
         """Answer every ticket of the batch, each exactly once; one served holds the instance in
         use (its `Lease`) for its caller's postprocessing."""
-        trace = None if self.batch_trace is None else self.batch_trace.to_bytes()
-        facts = BatchFacts(self.size, dispatched_at, self.execution_s, self.finished_at, self.memory_delta_bytes, trace)
+        trace = None if batch_trace is None else batch_trace.to_bytes()
+        facts = BatchFacts(self.size, dispatched_at, self.execution_s, self.finished_at, memory_delta_bytes, trace)
         for ticket, output in self.outputs:
             if not ticket.answered:
                 answer(ticket, Served(output, facts, Lease(self.instance) if self.instance is not None else None))

@@ -16,7 +16,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Protocol
 
 from router.config import BatchPolicy, DeviceConfig
@@ -447,8 +446,7 @@ class DeviceScheduler:
             if span is not None:
                 span.end(self.clock(), result.error)
             # Resolved before the callers resume, with no await in between: the delta is this batch's.
-            replace(result, memory_delta_bytes=self._memory_change(before),
-                    batch_trace=span.ref if span is not None else None).resolve(dispatched_at)
+            result.resolve(dispatched_at, self._memory_change(before), span.ref if span is not None else None)
             # Answered. A batch fenced past its execution timeout keeps its memory until its thread
             # returns, but not its slot: a hung model must not stop the others on its device.
             self._active -= 1
