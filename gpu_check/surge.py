@@ -112,7 +112,7 @@ class Memory:
 
 def card_used(device: str) -> int:
     """What the card (or the host) uses now: the baseline the budget is set above."""
-    from router.scheduling.probes import HostMemoryProbe, NvmlProbe
+    from router.scheduling.memory import HostMemoryProbe, NvmlProbe
 
     probe = NvmlProbe(device) if device.startswith("cuda") else HostMemoryProbe(device)
     try:

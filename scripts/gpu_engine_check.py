@@ -291,7 +291,7 @@ def ledger_vs_readings(url: str, device: str, baseline: int, models: list[str]) 
 
 def memory_used(device: str) -> int:
     """The probe's reading before the router starts: the baseline its growth is measured from."""
-    from router.scheduling.probes import HostMemoryProbe, NvmlProbe
+    from router.scheduling.memory import HostMemoryProbe, NvmlProbe
 
     probe = NvmlProbe(device) if device.startswith("cuda") else HostMemoryProbe(device)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from router.scheduling.probes import MemoryReading, ProbeError
+from router.scheduling.memory import MemoryReading, ProbeError
 
 __all__ = ["ScriptedProbe"]
 

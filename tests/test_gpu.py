@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from router.scheduling.probes import NvmlProbe
+from router.scheduling.memory import NvmlProbe
 from router.sdk.plugin import MemoryEstimate, ModelPlugin, Payload
 from router.serving.plan import load_plan
 from router.serving.profiling import profile_cuda, profile_sizes
@@ -135,7 +135,7 @@ def test_residency_on_a_gpu_evicts_by_nvml_and_memory_comes_back(
     """Three on-demand ResNet-18s on cuda:0 (declared at 102 MB of weights each) in a budget that
     holds two beside what the card uses now: round robin loads and evicts, every request is
     answered, and each unload shows in NVML."""
-    from router.scheduling.probes import NvmlProbe as Probe
+    from router.scheduling.memory import NvmlProbe as Probe
 
     probe = Probe("cuda:0")
     used_now = probe.read().used_bytes

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router.scheduling.ledger import MemoryLedger
+from router.scheduling.memory import MemoryLedger
 
 
 def test_booked_weights_count_until_released() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import psutil
 import pytest
 
-from router.scheduling.probes import (
+from router.scheduling.memory import (
     HostMemoryProbe,
     MemoryProbe,
     MemoryReading,

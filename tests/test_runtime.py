@@ -21,7 +21,7 @@ from router.errors import (
     QueueFull,
     ShuttingDown,
 )
-from router.scheduling.probes import ProbeError, make_probe
+from router.scheduling.memory import ProbeError, make_probe
 from router.sdk.plugin import MemoryEstimate, ModelPlugin, Payload
 from router.serving.facade import Answer
 from router.serving.plan import load_plan

@@ -13,7 +13,7 @@ import pytest
 
 from router.config import BatchPolicy, DeviceConfig
 from router.errors import DeadlineExceeded
-from router.scheduling.probes import MemoryReading, ProbeError
+from router.scheduling.memory import MemoryReading, ProbeError
 from router.scheduling.queue import BatchResult, ModelQueue, Ticket
 from router.scheduling.scheduler import DeviceScheduler
 from router.scheduling.service_time import BatchTime

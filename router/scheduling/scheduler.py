@@ -21,8 +21,7 @@ from typing import Protocol
 from router.config import BatchPolicy, DeviceConfig
 from router.errors import DeadlineExceeded, ModelDoesNotFit, ModelError
 from router.scheduling.batch_admission import BatchAdmission, Candidate, DeviceState, admit_batches, fits
-from router.scheduling.ledger import MemoryLedger, Reservation
-from router.scheduling.probes import MemoryProbe, MemoryReading, ProbeError
+from router.scheduling.memory import MemoryLedger, MemoryProbe, MemoryReading, ProbeError, Reservation
 from router.scheduling.queue import BatchResult, ModelQueue, Ticket, reject
 from router.scheduling.residency import Occupant, plan_residency
 from router.scheduling.service_time import BatchTime, DecayingTotal

@@ -25,7 +25,7 @@ from typing import Any, ClassVar, TypeVar
 
 from router.config import FleetConfig
 from router.errors import DeadlineExceeded, ShuttingDown
-from router.scheduling.probes import MemoryProbe, make_probe
+from router.scheduling.memory import MemoryProbe, make_probe
 from router.scheduling.queue import ModelQueue, Outcome, Refused, Served, Ticket, end_lease
 from router.scheduling.scheduler import DeviceScheduler
 from router.sdk.agreement import default_agreement
