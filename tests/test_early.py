@@ -122,6 +122,8 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         size += len(message.get("body", b""))
         more = message.get("more_body", False)
     body = json.dumps({"app": True, "bytes": size, "checked": scope["state"].get(SCREENED) is not None}).encode()
+    if scope["path"] == "/big":  # an answer larger than a head is joined to
+        body = json.dumps({"app": True, "bytes": size, "pad": "x" * 200_000}).encode()
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
@@ -218,6 +220,10 @@ class Recorded:
         self.writes.append(bytes(data))
         self.transport.write(data)
 
+    def writelines(self, parts: Sequence[bytes]) -> None:
+        self.writes.append(b"".join(parts))
+        self.transport.writelines(parts)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.transport, name)
 
@@ -240,6 +246,14 @@ def test_an_answers_head_and_body_go_out_in_one_write() -> None:
     assert len(writes) == 2, writes
     for write, size in zip(writes, (10, 20), strict=True):
         assert write.startswith(b"HTTP/1.1 200 OK\r\n") and write.endswith(b'"bytes": %d, "checked": false}' % size)
+
+
+def test_a_large_answer_goes_out_whole_in_one_gathered_write() -> None:
+    writes: list[bytes] = []
+    with running(None, recording_protocol(writes)) as address:
+        [(status, body)] = exchange(address, post("/big", b"123"), 1)
+    assert status == 200 and json.loads(body) == {"app": True, "bytes": 3, "pad": "x" * 200_000}
+    assert len(writes) == 1 and writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and writes[0].endswith(body)
 
 
 def test_a_head_requests_answer_is_its_head_alone() -> None:

@@ -104,6 +104,10 @@ class _Refused(Exception):
         self.status, self.detail = status, detail
 
 
+#: A body up to this size is joined to its answer's head; a larger one is written beside it.
+COPY_BODY_BELOW = 64 * 1024
+
+
 class _HeadWithBody:
     """The cycle's transport from a response's head to its first body write: the head is held and
     goes out with that write, one write and one segment where uvicorn makes two (a client then
@@ -119,7 +123,10 @@ class _HeadWithBody:
             self.head = data
             return
         self.cycle.transport = self.transport
-        self.transport.write(self.head + data)
+        if len(data) <= COPY_BODY_BELOW:
+            self.transport.write(self.head + data)
+        else:  # not copied: one gathered write (uvloop's)
+            self.transport.writelines((self.head, data))
 
     def close(self) -> None:
         self.cycle.transport = self.transport
