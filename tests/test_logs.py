@@ -10,6 +10,7 @@ import os
 import pty
 import re
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -223,3 +224,32 @@ def test_a_filter_on_the_access_logger_still_sees_every_line(
     logs._listener.stop()
     (line,) = router_logging.getvalue().splitlines()
     assert json.loads(line)["path"] == ACCESS["path"]
+
+
+def test_lines_that_come_while_the_writer_waits_go_out_in_one_write(
+        router_logging: io.StringIO, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer wakes at the first line, lets `FLUSH_EVERY_S` pass, then writes what came in one
+    write: a burst of access lines costs the stream one write, not one each (the event loop gives
+    up the GIL each time the writer wakes). The first line wakes it; the rest come 10 ms later,
+    well within the wait."""
+    from router import logs
+
+    writes: list[str] = []
+
+    class Counting(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return super().write(text)
+
+    stream = Counting()
+    monkeypatch.setattr(sys, "stderr", stream)
+    configure_logging("info", "json")
+    log = logging.getLogger("router.access")
+    for i in range(50):
+        info_line(log, "request", {**ACCESS, "batch_size": i})
+        if i == 0:
+            time.sleep(0.01)  # the writer has woken, and waits FLUSH_EVERY_S
+    assert logs._listener is not None
+    logs._listener.stop()
+    assert len(writes) == 1
+    assert [json.loads(line)["batch_size"] for line in stream.getvalue().splitlines()] == list(range(50))
